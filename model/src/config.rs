@@ -1,0 +1,307 @@
+//! Llama-family configuration read from a Hugging Face `config.json`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+/// How rotary frequencies are rescaled for longer contexts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The validated configuration of a Llama-family model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// The dtype the checkpoint was saved in, as transformers names it.
+    pub torch_dtype: Option<String>,
+}
+
+/// `config.json` as written by transformers 4 and 5.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    #[serde(default = "default_max_positions")]
+    max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    hidden_act: Option<String>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<OneOrMany>,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+struct RawRope {
+    rope_theta: Option<f64>,
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+fn default_max_positions() -> usize {
+    4096
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM"];
+
+impl LlamaConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        Self::from_json(&text).map_err(|e| match e {
+            ModelError::InvalidConfig(msg) => ModelError::invalid_file(path, msg),
+            other => other,
+        })
+    }
+
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: RawConfig =
+            serde_json::from_str(text).map_err(|e| ModelError::InvalidConfig(e.to_string()))?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: RawConfig) -> Result<Self> {
+        match (&raw.architectures, &raw.model_type) {
+            (Some(archs), _) if !archs.is_empty() => {
+                if let Some(bad) = archs
+                    .iter()
+                    .find(|a| !SUPPORTED_ARCHITECTURES.contains(&a.as_str()))
+                {
+                    return Err(ModelError::UnsupportedArchitecture(bad.clone()));
+                }
+            }
+            (_, Some(mt)) if mt != "llama" => {
+                return Err(ModelError::UnsupportedArchitecture(mt.clone()))
+            }
+            _ => {}
+        }
+        if let Some(act) = raw.hidden_act.as_deref() {
+            if act != "silu" {
+                return Err(ModelError::InvalidConfig(format!(
+                    "hidden_act {act:?} is not supported (Llama uses silu)"
+                )));
+            }
+        }
+        let invalid = |m: String| Err(ModelError::InvalidConfig(m));
+        let heads = raw.num_attention_heads;
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return invalid(format!(
+                "num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})"
+            ));
+        }
+        if raw.hidden_size == 0 || raw.intermediate_size == 0 || raw.vocab_size == 0 {
+            return invalid("hidden_size, intermediate_size and vocab_size must be positive".into());
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
+            None => {
+                return invalid(format!(
+                    "hidden_size {} is not divisible by num_attention_heads {heads}",
+                    raw.hidden_size
+                ))
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return invalid(format!("head_dim {head_dim} must be positive and even"));
+        }
+        if raw.max_position_embeddings == 0 {
+            return invalid("max_position_embeddings must be positive".into());
+        }
+        if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps > 0.0) {
+            return invalid(format!("rms_norm_eps {} must be positive", raw.rms_norm_eps));
+        }
+
+        // transformers 5 moves rope settings into `rope_parameters`; older
+        // configs use top-level `rope_theta` and `rope_scaling`.
+        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        let rope_theta = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_theta)
+            .or(raw.rope_theta)
+            .unwrap_or(10_000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return invalid(format!("rope_theta {rope_theta} must be positive"));
+        }
+        let rope_scaling = match rope {
+            None => RopeScaling::None,
+            Some(r) => parse_rope_scaling(r, raw.max_position_embeddings)?,
+        };
+
+        let eos_token_ids = match raw.eos_token_id {
+            None => Vec::new(),
+            Some(OneOrMany::One(id)) => vec![id],
+            Some(OneOrMany::Many(ids)) => ids,
+        };
+        Ok(LlamaConfig {
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            vocab_size: raw.vocab_size,
+            max_position_embeddings: raw.max_position_embeddings,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: raw.tie_word_embeddings,
+            attention_bias: raw.attention_bias,
+            mlp_bias: raw.mlp_bias,
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids,
+            torch_dtype: raw.dtype.or(raw.torch_dtype),
+        })
+    }
+}
+
+fn parse_rope_scaling(r: &RawRope, max_positions: usize) -> Result<RopeScaling> {
+    let kind = r
+        .rope_type
+        .as_deref()
+        .or(r.legacy_type.as_deref())
+        .unwrap_or("default");
+    let factor = || {
+        r.factor
+            .filter(|f| f.is_finite() && *f > 0.0)
+            .ok_or_else(|| ModelError::InvalidConfig(format!("rope type {kind:?} needs a positive factor")))
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => {
+            let low = r.low_freq_factor.unwrap_or(1.0);
+            let high = r.high_freq_factor.unwrap_or(4.0);
+            if !(low > 0.0 && high > low) {
+                return Err(ModelError::InvalidConfig(format!(
+                    "llama3 rope needs 0 < low_freq_factor ({low}) < high_freq_factor ({high})"
+                )));
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: r
+                    .original_max_position_embeddings
+                    .unwrap_or(max_positions),
+            })
+        }
+        other => Err(ModelError::InvalidConfig(format!(
+            "rope scaling type {other:?} is not supported (supported: default, linear, llama3)"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,
+        "intermediate_size":176,"num_hidden_layers":4,"num_attention_heads":4,
+        "vocab_size":1024,"rms_norm_eps":1e-5"#;
+
+    fn parse(extra: &str) -> Result<LlamaConfig> {
+        LlamaConfig::from_json(&format!("{BASE}{extra}}}"))
+    }
+
+    #[test]
+    fn defaults_and_gqa() {
+        let c = parse(r#","num_key_value_heads":2"#).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.num_key_value_heads, 2);
+        assert_eq!(c.rope_theta, 10_000.0);
+        assert_eq!(c.rope_scaling, RopeScaling::None);
+    }
+
+    #[test]
+    fn rope_theta_from_rope_parameters_wins() {
+        let c = parse(r#","rope_theta":1.0,"rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}"#).unwrap();
+        assert_eq!(c.rope_theta, 500_000.0);
+    }
+
+    #[test]
+    fn llama3_and_linear_scaling() {
+        let c = parse(r#","rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, original_max_position_embeddings: 8192, .. } if factor == 8.0));
+        let c = parse(r#","rope_scaling":{"type":"linear","factor":2.0}"#).unwrap();
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        assert!(parse(r#","rope_scaling":{"type":"yarn","factor":2.0}"#).is_err());
+    }
+
+    #[test]
+    fn eos_list_and_unsupported_arch() {
+        let c = parse(r#","eos_token_id":[2,7]"#).unwrap();
+        assert_eq!(c.eos_token_ids, vec![2, 7]);
+        let err = LlamaConfig::from_json(&format!("{}}}", BASE.replace("LlamaForCausalLM", "GPT2LMHeadModel")))
+            .unwrap_err();
+        assert!(matches!(err, ModelError::UnsupportedArchitecture(a) if a == "GPT2LMHeadModel"));
+    }
+
+    #[test]
+    fn bad_head_ratio() {
+        assert!(parse(r#","num_key_value_heads":4"#).is_ok());
+        assert!(parse(r#","num_key_value_heads":3"#).is_err());
+    }
+}

@@ -1,0 +1,28 @@
+//! Llama-family math on candle, split at any layer boundary.
+//!
+//! A model is two kinds of components: [`BlockSpan`]s (decoder layers
+//! `[a, b)` with a preallocated KV cache per session) that servers host, and
+//! the [`ClientHead`] (embeddings, final norm, LM head) that the client keeps.
+//! Chaining spans `[0, a) + [a, b) + … + [c, L)` computes exactly what the
+//! whole model computes. Weights load lazily from a [`Checkpoint`]: a
+//! Hugging Face folder or the layout written by [`convert::convert`].
+
+pub mod checkpoint;
+pub mod config;
+pub mod convert;
+pub mod dtype;
+mod error;
+pub mod head;
+mod rope;
+pub mod sampler;
+pub mod span;
+
+pub use checkpoint::Checkpoint;
+pub use config::LlamaConfig;
+pub use dtype::ModelDType;
+pub use error::{ModelError, Result};
+pub use head::ClientHead;
+pub use sampler::{Sampler, SamplingParams};
+pub use span::{BlockSpan, SessionCache};
+
+pub use candle_core::{DType, Device, Tensor};

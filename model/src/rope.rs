@@ -1,0 +1,116 @@
+//! Rotary position embeddings in the Hugging Face (rotate-half) layout,
+//! with the "linear" and "llama3" frequency scalings.
+
+use std::f64::consts::PI;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{LlamaConfig, RopeScaling};
+use crate::error::{ModelError, Result};
+
+/// Precomputed cos/sin tables for every position the model supports.
+#[derive(Debug, Clone)]
+pub(crate) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    max_positions: usize,
+}
+
+fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
+    let dim = cfg.head_dim;
+    let base: Vec<f64> = (0..dim / 2)
+        .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / dim as f64))
+        .collect();
+    match cfg.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old_context = original_max_position_embeddings as f64;
+            let low_freq_wavelen = old_context / low_freq_factor;
+            let high_freq_wavelen = old_context / high_freq_factor;
+            base.into_iter()
+                .map(|freq| {
+                    let wavelen = 2.0 * PI / freq;
+                    if wavelen < high_freq_wavelen {
+                        freq
+                    } else if wavelen > low_freq_wavelen {
+                        freq / factor
+                    } else {
+                        let smooth = (old_context / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl Rope {
+    pub fn new(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let inv_freq = inverse_frequencies(cfg);
+        let half = inv_freq.len();
+        let positions = cfg.max_position_embeddings;
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for &f in &inv_freq {
+                // The reference computes angles in f32; so do we, so that
+                // long positions round the same way.
+                let angle = (p as f32) * (f as f32);
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (positions, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (positions, half), device)?.to_dtype(dtype)?;
+        Ok(Rope {
+            cos,
+            sin,
+            max_positions: positions,
+        })
+    }
+
+    /// Rotates `x` of shape `[batch, heads, t, head_dim]` whose first
+    /// position is `start`.
+    pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+        let t = x.dim(2)?;
+        if start + t > self.max_positions {
+            return Err(ModelError::MaxLengthTooLarge {
+                requested: start + t,
+                max: self.max_positions,
+            });
+        }
+        let cos = self.cos.narrow(0, start, t)?;
+        let sin = self.sin.narrow(0, start, t)?;
+        Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let mut cfg = crate::config::LlamaConfig::from_json(
+            r#"{"hidden_size":1024,"intermediate_size":8,"num_hidden_layers":1,
+            "num_attention_heads":8,"vocab_size":8,"rope_theta":500000.0,
+            "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+            "high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+        )
+        .unwrap();
+        let scaled = inverse_frequencies(&cfg);
+        cfg.rope_scaling = RopeScaling::None;
+        let plain = inverse_frequencies(&cfg);
+        assert_eq!(scaled[0], plain[0]);
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-18);
+        assert!(scaled.iter().zip(&plain).all(|(s, p)| s <= p && *s >= p / 8.0));
+    }
+}

@@ -1,0 +1,305 @@
+//! A contiguous span of decoder layers `[start, end)` and its per-session KV cache.
+//!
+//! Weights are shared by every session; each session owns a [`SessionCache`]
+//! preallocated for its maximum length, written in place at each step.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Linear, RmsNorm};
+
+use crate::checkpoint::{Checkpoint, Weights};
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, Result};
+use crate::rope::Rope;
+
+fn linear(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
+    let w = w.pp(name);
+    let weight = w.get("weight", &[out_dim, in_dim])?;
+    let bias = if bias { Some(w.get("bias", &[out_dim])?) } else { None };
+    Ok(Linear::new(weight, bias))
+}
+
+pub(crate) fn rms_norm(w: &Weights, name: &str, cfg: &LlamaConfig) -> Result<RmsNorm> {
+    let weight = w.pp(name).get("weight", &[cfg.hidden_size])?;
+    Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let bias = cfg.attention_bias;
+        Ok(Attention {
+            q_proj: linear(w, "q_proj", nh * hd, h, bias)?,
+            k_proj: linear(w, "k_proj", nkv * hd, h, bias)?,
+            v_proj: linear(w, "v_proj", nkv * hd, h, bias)?,
+            o_proj: linear(w, "o_proj", h, nh * hd, bias)?,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        start: usize,
+        rope: &Rope,
+        cache: &mut LayerCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
+            Ok(proj.forward(x)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        let q = rope.apply(&heads(&self.q_proj, nh)?, start)?;
+        let k = rope.apply(&heads(&self.k_proj, nkv)?, start)?;
+        let v = heads(&self.v_proj, nkv)?;
+
+        cache.keys.slice_set(&k, 2, start)?;
+        cache.values.slice_set(&v, 2, start)?;
+        let total = start + t;
+        let keys = cache.keys.narrow(2, 0, total)?;
+        let values = cache.values.narrow(2, 0, total)?;
+
+        // Grouped-query attention without copying K/V per query head: the
+        // query heads that share a KV head are stacked along the rows.
+        let group = nh / nkv;
+        let q = q.reshape((b, nkv, group * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&keys.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let scores = match mask {
+            Some(mask) => scores
+                .reshape((b, nkv, group, t, total))?
+                .broadcast_add(mask)?
+                .reshape((b, nkv, group * t, total))?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(values.dtype())?;
+        let out = probs
+            .matmul(&values)?
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        Ok(self.o_proj.forward(&out)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Mlp {
+            gate_proj: linear(w, "gate_proj", i, h, bias)?,
+            up_proj: linear(w, "up_proj", i, h, bias)?,
+            down_proj: linear(w, "down_proj", h, i, bias)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gated = (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
+        Ok(self.down_proj.forward(&gated)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
+        Ok(DecoderLayer {
+            input_layernorm: rms_norm(w, "input_layernorm", cfg)?,
+            self_attn: Attention::load(&w.pp("self_attn"), cfg)?,
+            post_attention_layernorm: rms_norm(w, "post_attention_layernorm", cfg)?,
+            mlp: Mlp::load(&w.pp("mlp"), cfg)?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        start: usize,
+        rope: &Rope,
+        cache: &mut LayerCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, start, rope, cache, mask)?;
+        let x = (x + attn)?;
+        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok((x + mlp)?)
+    }
+}
+
+#[derive(Debug)]
+struct LayerCache {
+    keys: Tensor,
+    values: Tensor,
+}
+
+/// The KV cache of one session for one span, preallocated to `capacity` positions.
+#[derive(Debug)]
+pub struct SessionCache {
+    layers: Vec<LayerCache>,
+    len: usize,
+    capacity: usize,
+}
+
+impl SessionCache {
+    /// Positions whose keys and values are cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// Decoder layers `[start, end)` of a Llama-family model.
+#[derive(Debug, Clone)]
+pub struct BlockSpan {
+    start: usize,
+    end: usize,
+    layers: Vec<DecoderLayer>,
+    rope: Rope,
+    config: LlamaConfig,
+    dtype: DType,
+    device: Device,
+}
+
+impl BlockSpan {
+    /// Loads layers `[start, end)`, reading only their tensors.
+    pub fn load(checkpoint: &Checkpoint, start: usize, end: usize, dtype: DType, device: &Device) -> Result<Self> {
+        checkpoint.check_layer_range(start, end)?;
+        let cfg = checkpoint.config();
+        let w = checkpoint.weights(dtype, device).pp("model.layers");
+        let layers = (start..end)
+            .map(|i| DecoderLayer::load(&w.pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BlockSpan {
+            start,
+            end,
+            layers,
+            rope: Rope::new(cfg, dtype, device)?,
+            config: cfg.clone(),
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.start..self.end
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Bytes of KV cache one position costs in this span.
+    pub fn cache_bytes_per_token(&self) -> usize {
+        2 * self.layers.len() * self.config.num_key_value_heads * self.config.head_dim * self.dtype.size_in_bytes()
+    }
+
+    /// Allocates a session's KV cache for up to `max_length` positions.
+    pub fn new_cache(&self, max_length: usize) -> Result<SessionCache> {
+        let max = self.config.max_position_embeddings;
+        if max_length == 0 || max_length > max {
+            return Err(ModelError::MaxLengthTooLarge {
+                requested: max_length,
+                max,
+            });
+        }
+        let shape = (1, self.config.num_key_value_heads, max_length, self.config.head_dim);
+        let layers = self
+            .layers
+            .iter()
+            .map(|_| {
+                Ok(LayerCache {
+                    keys: Tensor::zeros(shape, self.dtype, &self.device)?,
+                    values: Tensor::zeros(shape, self.dtype, &self.device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SessionCache {
+            layers,
+            len: 0,
+            capacity: max_length,
+        })
+    }
+
+    /// Runs `hidden` (`[1, T, hidden]`, positions `start..start+T`) through
+    /// the span. `start` may rewind into the cache (the positions from
+    /// `start` on are recomputed and overwritten) but may not skip ahead.
+    pub fn forward(&self, hidden: &Tensor, start: usize, cache: &mut SessionCache) -> Result<Tensor> {
+        let dims = hidden.dims();
+        if dims.len() != 3 || dims[0] != 1 || dims[1] == 0 || dims[2] != self.config.hidden_size {
+            return Err(ModelError::HiddenShape {
+                actual: dims.to_vec(),
+                hidden: self.config.hidden_size,
+            });
+        }
+        let t = dims[1];
+        if start > cache.len {
+            return Err(ModelError::PositionGap {
+                start,
+                cached: cache.len,
+            });
+        }
+        if start + t > cache.capacity {
+            return Err(ModelError::CacheFull {
+                end: start + t,
+                capacity: cache.capacity,
+            });
+        }
+        let mask = if t > 1 { Some(causal_mask(t, start, &self.device)?) } else { None };
+        let mut x = hidden.to_dtype(self.dtype)?;
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(&x, start, &self.rope, layer_cache, mask.as_ref())?;
+        }
+        cache.len = start + t;
+        Ok(x)
+    }
+}
+
+/// `[t, start + t]` additive mask: query `i` (position `start + i`) sees keys `0..=start + i`.
+fn causal_mask(t: usize, start: usize, device: &Device) -> Result<Tensor> {
+    let total = start + t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (t, total), device)?)
+}

@@ -1,0 +1,391 @@
+//! The tensor payload codec: dtype, shape and raw little-endian bytes.
+//!
+//! Layout (all integers little-endian):
+//!
+//! ```text
+//! magic "CTNS" | version u8 | dtype u8 | compression u8 | rank u8
+//! | dims: rank × u64 | data_len u64 | data | crc32 u32
+//! ```
+//!
+//! The CRC covers every byte before it, so a corrupted or truncated buffer
+//! is always an error. Every field is checked against [`Limits`] before the
+//! decoder trusts it; [`TensorView::decode`] borrows the data from the
+//! received buffer instead of copying it.
+
+use crate::limits::Limits;
+
+const MAGIC: &[u8; 4] = b"CTNS";
+const VERSION: u8 = 1;
+const FIXED_HEADER: usize = MAGIC.len() + 4;
+const CRC_LEN: usize = 4;
+
+/// Element type of a tensor on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WireDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl WireDType {
+    pub const ALL: [WireDType; 3] = [WireDType::F32, WireDType::F16, WireDType::BF16];
+
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            WireDType::F32 => 4,
+            WireDType::F16 | WireDType::BF16 => 2,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            WireDType::F32 => 0,
+            WireDType::F16 => 1,
+            WireDType::BF16 => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Result<Self, TensorCodecError> {
+        match code {
+            0 => Ok(WireDType::F32),
+            1 => Ok(WireDType::F16),
+            2 => Ok(WireDType::BF16),
+            other => Err(TensorCodecError::UnknownDType(other)),
+        }
+    }
+}
+
+/// How the data bytes are compressed. Only `None` exists today; the byte is
+/// on the wire so that a compressed encoding can be added without a new
+/// framing version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Compression {
+    #[default]
+    None,
+}
+
+impl Compression {
+    fn from_code(code: u8) -> Result<Self, TensorCodecError> {
+        match code {
+            0 => Ok(Compression::None),
+            other => Err(TensorCodecError::UnknownCompression(other)),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TensorCodecError {
+    #[error("tensor payload truncated: need {needed} bytes, have {available}")]
+    Truncated { needed: usize, available: usize },
+    #[error("not a tensor payload (bad magic)")]
+    BadMagic,
+    #[error("unsupported tensor payload version {0}")]
+    UnsupportedVersion(u8),
+    #[error("unknown dtype code {0}")]
+    UnknownDType(u8),
+    #[error("unknown compression code {0}")]
+    UnknownCompression(u8),
+    #[error("tensor rank {rank} exceeds the limit of {max}")]
+    RankTooLarge { rank: usize, max: usize },
+    #[error("tensor dimension {dim} exceeds the limit of {max}")]
+    DimTooLarge { dim: u64, max: u64 },
+    #[error("tensor of {bytes} bytes exceeds the limit of {max}")]
+    TooLarge { bytes: u64, max: u64 },
+    #[error("data length {actual} does not match shape and dtype ({expected} bytes)")]
+    LengthMismatch { expected: u64, actual: u64 },
+    #[error("{0} trailing bytes after the tensor payload")]
+    TrailingBytes(usize),
+    #[error("checksum mismatch: payload corrupted")]
+    Checksum,
+}
+
+/// A decoded tensor whose data borrows the received buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorView<'a> {
+    pub dtype: WireDType,
+    pub compression: Compression,
+    pub shape: Vec<usize>,
+    pub data: &'a [u8],
+}
+
+/// An owned tensor ready to encode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorPayload {
+    pub dtype: WireDType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl TensorPayload {
+    /// Checks that `data` holds exactly `shape` elements of `dtype`.
+    pub fn new(
+        dtype: WireDType,
+        shape: Vec<usize>,
+        data: Vec<u8>,
+    ) -> Result<Self, TensorCodecError> {
+        let expected = shape
+            .iter()
+            .try_fold(dtype.size_in_bytes() as u64, |acc, &d| {
+                acc.checked_mul(d as u64)
+            })
+            .ok_or(TensorCodecError::TooLarge {
+                bytes: u64::MAX,
+                max: u64::MAX,
+            })?;
+        if expected != data.len() as u64 {
+            return Err(TensorCodecError::LengthMismatch {
+                expected,
+                actual: data.len() as u64,
+            });
+        }
+        Ok(Self { dtype, shape, data })
+    }
+
+    pub fn encoded_len(&self) -> usize {
+        encoded_len(self.shape.len(), self.data.len())
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        encode_into(self.dtype, &self.shape, &self.data, &mut out);
+        out
+    }
+
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            dtype: self.dtype,
+            compression: Compression::None,
+            shape: self.shape.clone(),
+            data: &self.data,
+        }
+    }
+}
+
+fn encoded_len(rank: usize, data_len: usize) -> usize {
+    FIXED_HEADER + 8 * rank + 8 + data_len + CRC_LEN
+}
+
+/// Appends the encoding of a tensor to `out`.
+///
+/// Callers guarantee `data.len() == product(shape) * dtype size`; the
+/// decoder rejects anything else.
+pub fn encode_into(dtype: WireDType, shape: &[usize], data: &[u8], out: &mut Vec<u8>) {
+    let start = out.len();
+    out.reserve(encoded_len(shape.len(), data.len()));
+    out.extend_from_slice(MAGIC);
+    out.push(VERSION);
+    out.push(dtype.code());
+    out.push(0); // Compression::None
+    out.push(shape.len() as u8);
+    for &d in shape {
+        out.extend_from_slice(&(d as u64).to_le_bytes());
+    }
+    out.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    out.extend_from_slice(data);
+    let crc = crc32fast::hash(&out[start..]);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], TensorCodecError> {
+        let available = self.buf.len() - self.pos;
+        if n > available {
+            return Err(TensorCodecError::Truncated {
+                needed: self.pos.saturating_add(n),
+                available: self.buf.len(),
+            });
+        }
+        let out = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(out)
+    }
+
+    fn u8(&mut self) -> Result<u8, TensorCodecError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u64(&mut self) -> Result<u64, TensorCodecError> {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+}
+
+impl<'a> TensorView<'a> {
+    /// Decodes one tensor that fills `buf` exactly.
+    pub fn decode(buf: &'a [u8], limits: &Limits) -> Result<Self, TensorCodecError> {
+        let (view, used) = Self::decode_prefix(buf, limits)?;
+        if used != buf.len() {
+            return Err(TensorCodecError::TrailingBytes(buf.len() - used));
+        }
+        Ok(view)
+    }
+
+    /// Decodes one tensor at the start of `buf`; returns it and the number
+    /// of bytes it occupied.
+    pub fn decode_prefix(buf: &'a [u8], limits: &Limits) -> Result<(Self, usize), TensorCodecError> {
+        let mut r = Reader { buf, pos: 0 };
+        if r.take(MAGIC.len())? != MAGIC {
+            return Err(TensorCodecError::BadMagic);
+        }
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(TensorCodecError::UnsupportedVersion(version));
+        }
+        let dtype = WireDType::from_code(r.u8()?)?;
+        let compression = Compression::from_code(r.u8()?)?;
+        let rank = r.u8()? as usize;
+        if rank > limits.max_rank {
+            return Err(TensorCodecError::RankTooLarge {
+                rank,
+                max: limits.max_rank,
+            });
+        }
+        let mut shape = Vec::with_capacity(rank);
+        let mut expected = dtype.size_in_bytes() as u64;
+        for _ in 0..rank {
+            let dim = r.u64()?;
+            if dim > limits.max_dim {
+                return Err(TensorCodecError::DimTooLarge {
+                    dim,
+                    max: limits.max_dim,
+                });
+            }
+            expected = expected.saturating_mul(dim);
+            if expected > limits.max_tensor_bytes {
+                return Err(TensorCodecError::TooLarge {
+                    bytes: expected,
+                    max: limits.max_tensor_bytes,
+                });
+            }
+            // Bounded by max_dim, which fits usize on every supported target.
+            shape.push(dim as usize);
+        }
+        let data_len = r.u64()?;
+        if data_len != expected {
+            return Err(TensorCodecError::LengthMismatch {
+                expected,
+                actual: data_len,
+            });
+        }
+        // Bounded by max_tensor_bytes above.
+        let data = r.take(data_len as usize)?;
+        let covered = r.pos;
+        let crc_bytes = r.take(CRC_LEN)?;
+        let crc = u32::from_le_bytes([crc_bytes[0], crc_bytes[1], crc_bytes[2], crc_bytes[3]]);
+        if crc32fast::hash(&buf[..covered]) != crc {
+            return Err(TensorCodecError::Checksum);
+        }
+        Ok((
+            TensorView {
+                dtype,
+                compression,
+                shape,
+                data,
+            },
+            r.pos,
+        ))
+    }
+
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn to_owned(&self) -> TensorPayload {
+        TensorPayload {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: self.data.to_vec(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn payload_strategy() -> impl Strategy<Value = TensorPayload> {
+        (
+            prop::sample::select(WireDType::ALL.to_vec()),
+            prop::collection::vec(0usize..6, 0..4),
+        )
+            .prop_flat_map(|(dtype, shape)| {
+                let len = shape.iter().product::<usize>() * dtype.size_in_bytes();
+                (
+                    Just(dtype),
+                    Just(shape),
+                    prop::collection::vec(any::<u8>(), len),
+                )
+            })
+            .prop_map(|(dtype, shape, data)| {
+                TensorPayload::new(dtype, shape, data).expect("strategy builds consistent payloads")
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn round_trips(p in payload_strategy()) {
+            let bytes = p.encode();
+            prop_assert_eq!(bytes.len(), p.encoded_len());
+            let view = TensorView::decode(&bytes, &Limits::DEFAULT).unwrap();
+            prop_assert_eq!(view.to_owned(), p);
+        }
+
+        #[test]
+        fn every_truncation_is_an_error(p in payload_strategy(), cut in any::<prop::sample::Index>()) {
+            let bytes = p.encode();
+            let len = cut.index(bytes.len());
+            prop_assert!(TensorView::decode(&bytes[..len], &Limits::DEFAULT).is_err());
+        }
+
+        #[test]
+        fn every_corrupted_byte_is_an_error(
+            p in payload_strategy(),
+            at in any::<prop::sample::Index>(),
+            flip in 1u8..=255,
+        ) {
+            let mut bytes = p.encode();
+            let i = at.index(bytes.len());
+            bytes[i] ^= flip;
+            prop_assert!(TensorView::decode(&bytes, &Limits::DEFAULT).is_err());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = TensorView::decode(&bytes, &Limits::DEFAULT);
+        }
+    }
+
+    #[test]
+    fn rejects_oversized_claims_before_allocating() {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&[VERSION, 0, 0, 2]);
+        bytes.extend_from_slice(&(1u64 << 20).to_le_bytes());
+        bytes.extend_from_slice(&(1u64 << 20).to_le_bytes());
+        let err = TensorView::decode(&bytes, &Limits::DEFAULT).unwrap_err();
+        assert!(matches!(err, TensorCodecError::TooLarge { .. }), "{err}");
+    }
+
+    #[test]
+    fn rejects_trailing_bytes() {
+        let p = TensorPayload::new(WireDType::F16, vec![2], vec![1, 2, 3, 4]).unwrap();
+        let mut bytes = p.encode();
+        bytes.push(0);
+        assert_eq!(
+            TensorView::decode(&bytes, &Limits::DEFAULT),
+            Err(TensorCodecError::TrailingBytes(1))
+        );
+    }
+
+    #[test]
+    fn new_checks_length() {
+        assert!(TensorPayload::new(WireDType::F32, vec![3], vec![0; 8]).is_err());
+    }
+}
