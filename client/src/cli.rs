@@ -17,7 +17,11 @@ use crate::local::LocalChain;
 use crate::text::{TextStream, TextTokenizer};
 
 #[derive(Parser, Debug)]
-#[command(name = "corolla", version, about = "Run Llama-family models across a swarm of GPU servers")]
+#[command(
+    name = "corolla",
+    version,
+    about = "Run Llama-family models across a swarm of GPU servers"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -148,7 +152,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let device = Device::Cpu;
     let dtype = args.dtype.resolve(checkpoint.config(), &device);
     let head = ClientHead::load(&checkpoint, dtype, &device)?;
-    let spans = [BlockSpan::load(&checkpoint, 0, checkpoint.config().num_hidden_layers, dtype, &device)?];
+    let spans = [BlockSpan::load(
+        &checkpoint,
+        0,
+        checkpoint.config().num_hidden_layers,
+        dtype,
+        &device,
+    )?];
     let request = GenerateRequest {
         prompt_ids: tokenizer.encode(&args.prompt)?,
         max_new_tokens: args.max_new_tokens,
@@ -160,20 +170,21 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut print_error = None;
-    let output: GenerateOutput = futures::executor::block_on(generate(&head, &mut chain, &request, |token| {
-        if args.json {
-            return ControlFlow::Continue(());
-        }
-        match stream.push(&tokenizer, token) {
-            Ok(Some(piece)) => {
-                let _ = write!(stdout, "{piece}");
-                let _ = stdout.flush();
+    let output: GenerateOutput =
+        futures::executor::block_on(generate(&head, &mut chain, &request, |token| {
+            if args.json {
+                return ControlFlow::Continue(());
             }
-            Ok(None) => {}
-            Err(e) => print_error = Some(e),
-        }
-        ControlFlow::Continue(())
-    }))?;
+            match stream.push(&tokenizer, token) {
+                Ok(Some(piece)) => {
+                    let _ = write!(stdout, "{piece}");
+                    let _ = stdout.flush();
+                }
+                Ok(None) => {}
+                Err(e) => print_error = Some(e),
+            }
+            ControlFlow::Continue(())
+        }))?;
     if let Some(e) = print_error {
         return Err(e.into());
     }
@@ -208,12 +219,26 @@ fn run_convert(args: ConvertArgs) -> Result<()> {
         ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let index = convert(&checkpoint, &args.out, args.blocks_per_file, |p: &ConvertProgress| {
-        bar.set_length(p.bytes_total);
-        bar.set_position(p.bytes_done);
-        bar.set_message(format!("{}/{} {}", p.files_done, p.files_total, p.last_file));
-    })
-    .with_context(|| format!("cannot convert {} into {}", args.model.display(), args.out.display()))?;
+    let index = convert(
+        &checkpoint,
+        &args.out,
+        args.blocks_per_file,
+        |p: &ConvertProgress| {
+            bar.set_length(p.bytes_total);
+            bar.set_position(p.bytes_done);
+            bar.set_message(format!(
+                "{}/{} {}",
+                p.files_done, p.files_total, p.last_file
+            ));
+        },
+    )
+    .with_context(|| {
+        format!(
+            "cannot convert {} into {}",
+            args.model.display(),
+            args.out.display()
+        )
+    })?;
     bar.finish_and_clear();
     eprintln!(
         "wrote {} block files and the client part to {}",

@@ -9,5 +9,9 @@ pub enum ClientError {
     #[error("the prompt is empty after tokenization")]
     EmptyPrompt,
     #[error("prompt of {prompt} tokens plus {new} new tokens exceeds the model's {max} positions")]
-    TooLong { prompt: usize, new: usize, max: usize },
+    TooLong {
+        prompt: usize,
+        new: usize,
+        max: usize,
+    },
 }

@@ -13,7 +13,11 @@ use crate::error::ClientError;
 pub trait BlockChain {
     /// `hidden` is `[1, T, hidden]` for positions `start..start + T`;
     /// returns the last block's output of the same shape.
-    fn forward(&mut self, hidden: Tensor, start: usize) -> impl Future<Output = Result<Tensor, ClientError>>;
+    fn forward(
+        &mut self,
+        hidden: Tensor,
+        start: usize,
+    ) -> impl Future<Output = Result<Tensor, ClientError>>;
 }
 
 #[derive(Debug, Clone)]

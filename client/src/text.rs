@@ -20,7 +20,8 @@ impl TextTokenizer {
     }
 
     pub fn from_bytes(json: &[u8]) -> Result<Self, ClientError> {
-        let inner = Tokenizer::from_bytes(json).map_err(|e| ClientError::Tokenizer(e.to_string()))?;
+        let inner =
+            Tokenizer::from_bytes(json).map_err(|e| ClientError::Tokenizer(e.to_string()))?;
         Ok(TextTokenizer { inner })
     }
 
@@ -49,7 +50,11 @@ pub struct TextStream {
 }
 
 impl TextStream {
-    pub fn push(&mut self, tokenizer: &TextTokenizer, id: u32) -> Result<Option<String>, ClientError> {
+    pub fn push(
+        &mut self,
+        tokenizer: &TextTokenizer,
+        id: u32,
+    ) -> Result<Option<String>, ClientError> {
         self.ids.push(id);
         let text = tokenizer.decode(&self.ids)?;
         if text.ends_with('\u{FFFD}') {

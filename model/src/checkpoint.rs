@@ -161,7 +161,9 @@ impl Checkpoint {
             if Path::new(file).components().count() != 1 || file.starts_with('.') {
                 return Err(ModelError::invalid_file(
                     &dir,
-                    format!("weight file name {file:?} must be a plain file name in the model folder"),
+                    format!(
+                        "weight file name {file:?} must be a plain file name in the model folder"
+                    ),
                 ));
             }
         }
@@ -235,7 +237,13 @@ impl Checkpoint {
     }
 
     /// Loads one tensor, checks its shape and converts it to `dtype` on `device`.
-    pub fn tensor(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    pub fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         let raw = self.raw_tensor(name)?;
         if raw.shape != shape {
             return Err(ModelError::WrongShape {

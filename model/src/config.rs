@@ -145,17 +145,19 @@ impl LlamaConfig {
         let invalid = |m: String| Err(ModelError::InvalidConfig(m));
         let heads = raw.num_attention_heads;
         let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return invalid(format!(
                 "num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})"
             ));
         }
         if raw.hidden_size == 0 || raw.intermediate_size == 0 || raw.vocab_size == 0 {
-            return invalid("hidden_size, intermediate_size and vocab_size must be positive".into());
+            return invalid(
+                "hidden_size, intermediate_size and vocab_size must be positive".into(),
+            );
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
-            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
+            None if raw.hidden_size.is_multiple_of(heads) => raw.hidden_size / heads,
             None => {
                 return invalid(format!(
                     "hidden_size {} is not divisible by num_attention_heads {heads}",
@@ -163,14 +165,17 @@ impl LlamaConfig {
                 ))
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return invalid(format!("head_dim {head_dim} must be positive and even"));
         }
         if raw.max_position_embeddings == 0 {
             return invalid("max_position_embeddings must be positive".into());
         }
         if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps > 0.0) {
-            return invalid(format!("rms_norm_eps {} must be positive", raw.rms_norm_eps));
+            return invalid(format!(
+                "rms_norm_eps {} must be positive",
+                raw.rms_norm_eps
+            ));
         }
 
         // transformers 5 moves rope settings into `rope_parameters`; older
@@ -226,7 +231,9 @@ fn parse_rope_scaling(r: &RawRope, max_positions: usize) -> Result<RopeScaling> 
     let factor = || {
         r.factor
             .filter(|f| f.is_finite() && *f > 0.0)
-            .ok_or_else(|| ModelError::InvalidConfig(format!("rope type {kind:?} needs a positive factor")))
+            .ok_or_else(|| {
+                ModelError::InvalidConfig(format!("rope type {kind:?} needs a positive factor"))
+            })
     };
     match kind {
         "default" => Ok(RopeScaling::None),
@@ -277,14 +284,19 @@ mod tests {
 
     #[test]
     fn rope_theta_from_rope_parameters_wins() {
-        let c = parse(r#","rope_theta":1.0,"rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}"#).unwrap();
+        let c = parse(
+            r#","rope_theta":1.0,"rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}"#,
+        )
+        .unwrap();
         assert_eq!(c.rope_theta, 500_000.0);
     }
 
     #[test]
     fn llama3_and_linear_scaling() {
         let c = parse(r#","rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
-        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, original_max_position_embeddings: 8192, .. } if factor == 8.0));
+        assert!(
+            matches!(c.rope_scaling, RopeScaling::Llama3 { factor, original_max_position_embeddings: 8192, .. } if factor == 8.0)
+        );
         let c = parse(r#","rope_scaling":{"type":"linear","factor":2.0}"#).unwrap();
         assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
         assert!(parse(r#","rope_scaling":{"type":"yarn","factor":2.0}"#).is_err());
@@ -294,8 +306,11 @@ mod tests {
     fn eos_list_and_unsupported_arch() {
         let c = parse(r#","eos_token_id":[2,7]"#).unwrap();
         assert_eq!(c.eos_token_ids, vec![2, 7]);
-        let err = LlamaConfig::from_json(&format!("{}}}", BASE.replace("LlamaForCausalLM", "GPT2LMHeadModel")))
-            .unwrap_err();
+        let err = LlamaConfig::from_json(&format!(
+            "{}}}",
+            BASE.replace("LlamaForCausalLM", "GPT2LMHeadModel")
+        ))
+        .unwrap_err();
         assert!(matches!(err, ModelError::UnsupportedArchitecture(a) if a == "GPT2LMHeadModel"));
     }
 

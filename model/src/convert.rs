@@ -10,7 +10,9 @@ use std::path::Path;
 
 use safetensors::tensor::TensorView as StView;
 
-use crate::checkpoint::{Checkpoint, CorollaIndex, SpanFile, CONFIG_FILE, COROLLA_INDEX, TOKENIZER_FILE};
+use crate::checkpoint::{
+    Checkpoint, CorollaIndex, SpanFile, CONFIG_FILE, COROLLA_INDEX, TOKENIZER_FILE,
+};
 use crate::error::{ModelError, Result};
 use crate::head::{EMBED_TOKENS, FINAL_NORM, LM_HEAD};
 
@@ -36,7 +38,11 @@ pub struct ConvertProgress {
 }
 
 fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 pub fn span_file_name(start: usize, end: usize) -> String {
@@ -52,7 +58,9 @@ pub fn convert(
     mut progress: impl FnMut(&ConvertProgress),
 ) -> Result<CorollaIndex> {
     if blocks_per_file == 0 {
-        return Err(ModelError::InvalidConfig("--blocks-per-file must be at least 1".into()));
+        return Err(ModelError::InvalidConfig(
+            "--blocks-per-file must be at least 1".into(),
+        ));
     }
     if out.exists() {
         let mut entries = std::fs::read_dir(out).map_err(|e| ModelError::io(out, e))?;
@@ -70,7 +78,11 @@ pub fn convert(
         .step_by(blocks_per_file)
         .map(|start| {
             let end = (start + blocks_per_file).min(num_layers);
-            SpanFile { start, end, file: span_file_name(start, end) }
+            SpanFile {
+                start,
+                end,
+                file: span_file_name(start, end),
+            }
         })
         .collect();
 
@@ -88,13 +100,18 @@ pub fn convert(
         } else if [EMBED_TOKENS, FINAL_NORM, LM_HEAD].contains(&name) {
             CLIENT_FILE.to_string()
         } else {
-            tracing::warn!(tensor = name, "skipping a tensor that is neither a block's nor the client's");
+            tracing::warn!(
+                tensor = name,
+                "skipping a tensor that is neither a block's nor the client's"
+            );
             continue;
         };
         groups.entry(file).or_default().push(name.to_string());
     }
     if !groups.contains_key(CLIENT_FILE) {
-        return Err(ModelError::MissingTensor { name: EMBED_TOKENS.into() });
+        return Err(ModelError::MissingTensor {
+            name: EMBED_TOKENS.into(),
+        });
     }
     for span in &spans {
         if !groups.contains_key(&span.file) {
@@ -163,7 +180,8 @@ pub fn convert(
         weight_map,
     };
     let path = out.join(COROLLA_INDEX);
-    let json = serde_json::to_string_pretty(&index).map_err(|e| ModelError::invalid_file(&path, e))?;
+    let json =
+        serde_json::to_string_pretty(&index).map_err(|e| ModelError::invalid_file(&path, e))?;
     std::fs::write(&path, json).map_err(|e| ModelError::io(&path, e))?;
     Ok(index)
 }

@@ -111,6 +111,9 @@ mod tests {
         assert_eq!(scaled[0], plain[0]);
         let last = plain.len() - 1;
         assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-18);
-        assert!(scaled.iter().zip(&plain).all(|(s, p)| s <= p && *s >= p / 8.0));
+        assert!(scaled
+            .iter()
+            .zip(&plain)
+            .all(|(s, p)| s <= p && *s >= p / 8.0));
     }
 }

@@ -37,7 +37,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ModelError::InvalidSampling(m));
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("temperature {} must be a finite number >= 0", self.temperature));
+            return bad(format!(
+                "temperature {} must be a finite number >= 0",
+                self.temperature
+            ));
         }
         if self.top_k == Some(0) {
             return bad("top-k must be at least 1".into());
@@ -48,7 +51,10 @@ impl SamplingParams {
             }
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!("repetition penalty {} must be > 0", self.repetition_penalty));
+            return bad(format!(
+                "repetition penalty {} must be > 0",
+                self.repetition_penalty
+            ));
         }
         Ok(())
     }
@@ -89,7 +95,11 @@ impl Sampler {
         let logits = if self.repetition_penalty == 1.0 {
             logits.clone()
         } else {
-            candle_transformers::utils::apply_repeat_penalty(logits, self.repetition_penalty, context)?
+            candle_transformers::utils::apply_repeat_penalty(
+                logits,
+                self.repetition_penalty,
+                context,
+            )?
         };
         Ok(self.processor.sample(&logits)?)
     }
@@ -112,29 +122,52 @@ mod tests {
     #[test]
     fn greedy_and_top_k_one_pick_the_argmax() {
         assert!(draw(&SamplingParams::greedy(), 5).iter().all(|&t| t == 1));
-        let p = SamplingParams { temperature: 1.0, top_k: Some(1), seed: 9, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: Some(1),
+            seed: 9,
+            ..Default::default()
+        };
         assert!(draw(&p, 20).iter().all(|&t| t == 1));
     }
 
     #[test]
     fn same_seed_same_tokens_and_seeds_differ() {
-        let p = SamplingParams { temperature: 1.5, seed: 42, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.5,
+            seed: 42,
+            ..Default::default()
+        };
         let a = draw(&p, 64);
         assert_eq!(a, draw(&p, 64));
-        let b = draw(&SamplingParams { seed: 43, ..p.clone() }, 64);
+        let b = draw(
+            &SamplingParams {
+                seed: 43,
+                ..p.clone()
+            },
+            64,
+        );
         assert_ne!(a, b);
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 2);
     }
 
     #[test]
     fn top_p_restricts_to_the_nucleus() {
-        let p = SamplingParams { temperature: 1.0, top_p: Some(0.5), seed: 1, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: Some(0.5),
+            seed: 1,
+            ..Default::default()
+        };
         assert!(draw(&p, 100).iter().all(|&t| t == 1 || t == 2));
     }
 
     #[test]
     fn repetition_penalty_moves_away_from_seen_tokens() {
-        let p = SamplingParams { repetition_penalty: 10.0, ..Default::default() };
+        let p = SamplingParams {
+            repetition_penalty: 10.0,
+            ..Default::default()
+        };
         let mut s = Sampler::new(&p).unwrap();
         assert_eq!(s.sample(&logits(), &[1]).unwrap(), 2);
     }
@@ -142,11 +175,26 @@ mod tests {
     #[test]
     fn rejects_bad_settings() {
         for p in [
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { temperature: f64::NAN, ..Default::default() },
-            SamplingParams { top_k: Some(0), ..Default::default() },
-            SamplingParams { top_p: Some(1.5), ..Default::default() },
-            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: f64::NAN,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_k: Some(0),
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: Some(1.5),
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
         ] {
             assert!(Sampler::new(&p).is_err(), "{p:?}");
         }

@@ -14,7 +14,11 @@ use crate::rope::Rope;
 fn linear(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
     let w = w.pp(name);
     let weight = w.get("weight", &[out_dim, in_dim])?;
-    let bias = if bias { Some(w.get("bias", &[out_dim])?) } else { None };
+    let bias = if bias {
+        Some(w.get("bias", &[out_dim])?)
+    } else {
+        None
+    };
     Ok(Linear::new(weight, bias))
 }
 
@@ -61,7 +65,11 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
-            Ok(proj.forward(x)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
+            Ok(proj
+                .forward(x)?
+                .reshape((b, t, n, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
         };
         let q = rope.apply(&heads(&self.q_proj, nh)?, start)?;
         let k = rope.apply(&heads(&self.k_proj, nkv)?, start)?;
@@ -114,7 +122,8 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gated = (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
+        let gated =
+            (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
         Ok(self.down_proj.forward(&gated)?)
     }
 }
@@ -145,9 +154,13 @@ impl DecoderLayer {
         cache: &mut LayerCache,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, start, rope, cache, mask)?;
+        let attn =
+            self.self_attn
+                .forward(&self.input_layernorm.forward(x)?, start, rope, cache, mask)?;
         let x = (x + attn)?;
-        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok((x + mlp)?)
     }
 }
@@ -195,7 +208,13 @@ pub struct BlockSpan {
 
 impl BlockSpan {
     /// Loads layers `[start, end)`, reading only their tensors.
-    pub fn load(checkpoint: &Checkpoint, start: usize, end: usize, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn load(
+        checkpoint: &Checkpoint,
+        start: usize,
+        end: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         checkpoint.check_layer_range(start, end)?;
         let cfg = checkpoint.config();
         let w = checkpoint.weights(dtype, device).pp("model.layers");
@@ -231,7 +250,10 @@ impl BlockSpan {
 
     /// Bytes of KV cache one position costs in this span.
     pub fn cache_bytes_per_token(&self) -> usize {
-        2 * self.layers.len() * self.config.num_key_value_heads * self.config.head_dim * self.dtype.size_in_bytes()
+        2 * self.layers.len()
+            * self.config.num_key_value_heads
+            * self.config.head_dim
+            * self.dtype.size_in_bytes()
     }
 
     /// Allocates a session's KV cache for up to `max_length` positions.
@@ -243,7 +265,12 @@ impl BlockSpan {
                 max,
             });
         }
-        let shape = (1, self.config.num_key_value_heads, max_length, self.config.head_dim);
+        let shape = (
+            1,
+            self.config.num_key_value_heads,
+            max_length,
+            self.config.head_dim,
+        );
         let layers = self
             .layers
             .iter()
@@ -264,7 +291,12 @@ impl BlockSpan {
     /// Runs `hidden` (`[1, T, hidden]`, positions `start..start+T`) through
     /// the span. `start` may rewind into the cache (the positions from
     /// `start` on are recomputed and overwritten) but may not skip ahead.
-    pub fn forward(&self, hidden: &Tensor, start: usize, cache: &mut SessionCache) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        start: usize,
+        cache: &mut SessionCache,
+    ) -> Result<Tensor> {
         let dims = hidden.dims();
         if dims.len() != 3 || dims[0] != 1 || dims[1] == 0 || dims[2] != self.config.hidden_size {
             return Err(ModelError::HiddenShape {
@@ -285,7 +317,11 @@ impl BlockSpan {
                 capacity: cache.capacity,
             });
         }
-        let mask = if t > 1 { Some(causal_mask(t, start, &self.device)?) } else { None };
+        let mask = if t > 1 {
+            Some(causal_mask(t, start, &self.device)?)
+        } else {
+            None
+        };
         let mut x = hidden.to_dtype(self.dtype)?;
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.forward(&x, start, &self.rope, layer_cache, mask.as_ref())?;
@@ -299,7 +335,15 @@ impl BlockSpan {
 fn causal_mask(t: usize, start: usize, device: &Device) -> Result<Tensor> {
     let total = start + t;
     let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > start + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
         .collect();
     Ok(Tensor::from_vec(mask, (t, total), device)?)
 }

@@ -228,7 +228,10 @@ impl<'a> TensorView<'a> {
 
     /// Decodes one tensor at the start of `buf`; returns it and the number
     /// of bytes it occupied.
-    pub fn decode_prefix(buf: &'a [u8], limits: &Limits) -> Result<(Self, usize), TensorCodecError> {
+    pub fn decode_prefix(
+        buf: &'a [u8],
+        limits: &Limits,
+    ) -> Result<(Self, usize), TensorCodecError> {
         let mut r = Reader { buf, pos: 0 };
         if r.take(MAGIC.len())? != MAGIC {
             return Err(TensorCodecError::BadMagic);

@@ -42,8 +42,9 @@ impl Golden {
         let dir = model_dir.join("golden");
         let json = std::fs::read_to_string(dir.join(format!("{label}.json"))).expect("golden json");
         let parsed: GoldenJson = serde_json::from_str(&json).expect("golden json parses");
-        let tensors = candle_core::safetensors::load(dir.join(format!("{label}.safetensors")), &Device::Cpu)
-            .expect("golden tensors");
+        let tensors =
+            candle_core::safetensors::load(dir.join(format!("{label}.safetensors")), &Device::Cpu)
+                .expect("golden tensors");
         Golden {
             prompts: parsed.prompts,
             tensors,
@@ -72,8 +73,16 @@ impl Golden {
 /// ‖actual − expected‖₂ / ‖expected‖₂, computed in f64.
 pub fn relative_l2(actual: &Tensor, expected: &Tensor) -> f64 {
     assert_eq!(actual.dims(), expected.dims(), "shape mismatch");
-    let a = actual.flatten_all().and_then(|t| t.to_dtype(DType::F64)).and_then(|t| t.to_vec1::<f64>()).expect("actual");
-    let e = expected.flatten_all().and_then(|t| t.to_dtype(DType::F64)).and_then(|t| t.to_vec1::<f64>()).expect("expected");
+    let a = actual
+        .flatten_all()
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("actual");
+    let e = expected
+        .flatten_all()
+        .and_then(|t| t.to_dtype(DType::F64))
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("expected");
     let diff: f64 = a.iter().zip(&e).map(|(x, y)| (x - y) * (x - y)).sum();
     let norm: f64 = e.iter().map(|y| y * y).sum();
     (diff / norm).sqrt()
@@ -93,7 +102,8 @@ pub fn generate_local(
         sampling,
         stop_at_eos: false,
     };
-    let mut chain = corolla_client::LocalChain::new(spans, request.max_length()).expect("session caches");
+    let mut chain =
+        corolla_client::LocalChain::new(spans, request.max_length()).expect("session caches");
     let out = futures_lite_block_on(corolla_client::generate(head, &mut chain, &request, |_| {
         std::ops::ControlFlow::Continue(())
     }))
@@ -125,7 +135,11 @@ pub fn write_variant(
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(source.join(f), dir.join(f)).expect("copy side file");
     }
-    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config).expect("json")).expect("config");
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&config).expect("json"),
+    )
+    .expect("config");
     candle_core::safetensors::save(tensors, dir.join("model.safetensors")).expect("save");
 }
 

@@ -7,7 +7,11 @@ use corolla_tests::{generate_local, relative_l2, tiny_llama, tiny_llama_fp16, Go
 
 const F32_TOLERANCE: f64 = 1e-4;
 
-fn load(dir: &std::path::Path, dtype: DType, ranges: &[(usize, usize)]) -> (ClientHead, Vec<BlockSpan>) {
+fn load(
+    dir: &std::path::Path,
+    dtype: DType,
+    ranges: &[(usize, usize)],
+) -> (ClientHead, Vec<BlockSpan>) {
     let ck = Checkpoint::open(dir).unwrap();
     let head = ClientHead::load(&ck, dtype, &Device::Cpu).unwrap();
     let spans = ranges
@@ -19,22 +23,42 @@ fn load(dir: &std::path::Path, dtype: DType, ranges: &[(usize, usize)]) -> (Clie
 
 /// Runs each prompt through `spans` and checks every span boundary's output
 /// against the layer outputs, and the logits, of the reference.
-fn check_layers_and_logits(head: &ClientHead, spans: &[BlockSpan], golden: &Golden, tolerance: f64) {
+fn check_layers_and_logits(
+    head: &ClientHead,
+    spans: &[BlockSpan],
+    golden: &Golden,
+    tolerance: f64,
+) {
     for (p, prompt) in golden.prompts.iter().enumerate() {
         let ids = &prompt.input_ids;
         let mut x = head.embed(ids).unwrap();
         let err = relative_l2(&x, golden.tensor(&format!("prompt{p}.hidden_states.0")));
-        assert!(err < tolerance, "prompt {p} embeddings: relative error {err:e}");
+        assert!(
+            err < tolerance,
+            "prompt {p} embeddings: relative error {err:e}"
+        );
         for span in spans {
             let mut cache = span.new_cache(ids.len()).unwrap();
             x = span.forward(&x, 0, &mut cache).unwrap();
             let last = span.range().end - 1;
             let err = relative_l2(&x, golden.tensor(&format!("prompt{p}.layer_output.{last}")));
-            assert!(err < tolerance, "prompt {p} layer {last}: relative error {err:e}");
+            assert!(
+                err < tolerance,
+                "prompt {p} layer {last}: relative error {err:e}"
+            );
         }
-        let err = relative_l2(&head.final_norm(&x).unwrap(), golden.tensor(&format!("prompt{p}.final_norm")));
-        assert!(err < tolerance, "prompt {p} final norm: relative error {err:e}");
-        let err = relative_l2(&head.logits(&x).unwrap(), golden.tensor(&format!("prompt{p}.logits")));
+        let err = relative_l2(
+            &head.final_norm(&x).unwrap(),
+            golden.tensor(&format!("prompt{p}.final_norm")),
+        );
+        assert!(
+            err < tolerance,
+            "prompt {p} final norm: relative error {err:e}"
+        );
+        let err = relative_l2(
+            &head.logits(&x).unwrap(),
+            golden.tensor(&format!("prompt{p}.logits")),
+        );
         assert!(err < tolerance, "prompt {p} logits: relative error {err:e}");
     }
 }
@@ -42,7 +66,10 @@ fn check_layers_and_logits(head: &ClientHead, spans: &[BlockSpan], golden: &Gold
 fn check_greedy(head: &ClientHead, spans: &[BlockSpan], golden: &Golden) {
     for (p, prompt) in golden.prompts.iter().enumerate() {
         let new = generate_local(head, spans, &prompt.input_ids, 32, SamplingParams::greedy());
-        assert_eq!(new, prompt.generated_new_ids, "prompt {p}: greedy tokens differ");
+        assert_eq!(
+            new, prompt.generated_new_ids,
+            "prompt {p}: greedy tokens differ"
+        );
         assert_eq!(
             [prompt.input_ids.clone(), new].concat(),
             golden.generated_ids(p),
@@ -79,7 +106,10 @@ fn decode_step_logits_match_the_reference_kv_cache_run() {
     let (head, spans) = load(&tiny_llama(), DType::F32, &[(0, 2), (2, 4)]);
     let prompt = &golden.prompts[1];
     let all = golden.generated_ids(1);
-    let mut caches: Vec<_> = spans.iter().map(|s| s.new_cache(all.len()).unwrap()).collect();
+    let mut caches: Vec<_> = spans
+        .iter()
+        .map(|s| s.new_cache(all.len()).unwrap())
+        .collect();
     let expected = golden.tensor("prompt1.gen_step_logits");
     let mut start = 0;
     let mut input = prompt.input_ids.clone();
@@ -138,7 +168,10 @@ fn fp16_logits_match_within_1e_2() {
             let mut cache = span.new_cache(prompt.input_ids.len()).unwrap();
             x = span.forward(&x, 0, &mut cache).unwrap();
         }
-        let err = relative_l2(&head.logits(&x).unwrap(), golden.tensor(&format!("prompt{p}.logits")));
+        let err = relative_l2(
+            &head.logits(&x).unwrap(),
+            golden.tensor(&format!("prompt{p}.logits")),
+        );
         assert!(err < 1e-2, "prompt {p}: fp16 logits relative error {err:e}");
     }
 }
@@ -157,7 +190,12 @@ fn the_tokenizer_encodes_prompts_like_transformers() {
         let golden = Golden::load(&dir, label);
         let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
         for prompt in &golden.prompts {
-            assert_eq!(tokenizer.encode(&prompt.prompt).unwrap(), prompt.input_ids, "{:?}", prompt.prompt);
+            assert_eq!(
+                tokenizer.encode(&prompt.prompt).unwrap(),
+                prompt.input_ids,
+                "{:?}",
+                prompt.prompt
+            );
         }
     }
 }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs every Corolla test on a fresh or warm machine. Installs what it needs
+# first and skips whatever is already there, so it is safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "toolchain: wasm32 target, rustfmt, clippy"
+rustup target list --installed | grep -qx wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
+rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+rustup component list --installed | grep -q '^clippy' || rustup component add clippy
+
+step "format"
+cargo fmt --all --check
+
+step "clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "tests"
+cargo test --workspace --locked
+
+step "wasm32 build of shared, model and client"
+cargo build --locked --profile wasm-check --target wasm32-unknown-unknown \
+    -p corolla-shared -p corolla-model -p corolla-client --lib
+
+step "all tests passed"
