@@ -18,6 +18,9 @@ cargo fmt --all --check
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "binaries (the tests run them)"
+cargo build --workspace --bins --locked
+
 step "tests"
 cargo test --workspace --locked
 

@@ -4,16 +4,24 @@
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use corolla_model::convert::{convert, ConvertProgress};
+use corolla_model::fingerprint::{default_model_name, fingerprint};
+use corolla_model::wire::wire_dtype;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, Device, ModelDType, SamplingParams};
+use corolla_shared::node::NodeHandle;
+use corolla_shared::ServerRecord;
 use indicatif::{ProgressBar, ProgressStyle};
+use libp2p::Multiaddr;
 use serde::Serialize;
 
-use crate::generate::{generate, GenerateOutput, GenerateRequest};
+use crate::generate::{generate, GenerateRequest};
 use crate::local::LocalChain;
+use crate::network::connect;
+use crate::route::{plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings};
 use crate::text::{TextStream, TextTokenizer};
 
 #[derive(Parser, Debug)]
@@ -33,6 +41,46 @@ enum Command {
     Generate(GenerateArgs),
     /// Split a checkpoint into per-span block files plus a client part.
     Convert(ConvertArgs),
+    /// Show which servers serve which blocks of a model, and any gaps.
+    Swarm(SwarmCommandArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct SwarmArgs {
+    /// Multiaddrs (with /p2p/) of servers to enter the swarm through.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    initial_peers: Vec<Multiaddr>,
+    /// The model's name in the DHT; defaults to the one derived from --model.
+    #[arg(long)]
+    model_name: Option<String>,
+    /// How long to look for servers covering every block.
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    discovery_timeout: Duration,
+    /// How long to wait for a server's answer to one step.
+    #[arg(long, default_value = "60", value_parser = parse_seconds)]
+    step_timeout: Duration,
+}
+
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .trim_end_matches('s')
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!("{s:?} must be a positive number of seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[derive(Args, Debug)]
+struct SwarmCommandArgs {
+    #[command(flatten)]
+    swarm: SwarmArgs,
+    /// A model folder to take the model's name and block count from.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -41,8 +89,10 @@ struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// Run every block in this process.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "initial_peers")]
     local: bool,
+    #[command(flatten)]
+    swarm: SwarmArgs,
     #[arg(long)]
     prompt: String,
     #[arg(long, default_value_t = 32)]
@@ -106,6 +156,7 @@ pub fn run() -> Result<()> {
     match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Convert(args) => run_convert(args),
+        Command::Swarm(args) => runtime()?.block_on(run_swarm(args)),
     }
 }
 
@@ -122,6 +173,10 @@ pub fn init_runtime() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Runtime::new()?)
 }
 
 fn open_checkpoint(dir: &Path) -> Result<Checkpoint> {
@@ -141,54 +196,86 @@ struct GenerateJson<'a> {
     total_seconds: f64,
     stop_reason: crate::StopReason,
     dtype: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    route: Option<&'a [Hop]>,
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
-    if !args.local {
-        bail!("generation through a swarm is not available yet; pass --local to run the whole model in this process");
+    if !args.local && args.swarm.initial_peers.is_empty() {
+        bail!("pass --initial-peers to generate through a swarm, or --local to run the whole model in this process");
     }
     let checkpoint = open_checkpoint(&args.model)?;
     let tokenizer = TextTokenizer::from_file(&checkpoint.tokenizer_path())?;
     let device = Device::Cpu;
     let dtype = args.dtype.resolve(checkpoint.config(), &device);
     let head = ClientHead::load(&checkpoint, dtype, &device)?;
-    let spans = [BlockSpan::load(
-        &checkpoint,
-        0,
-        checkpoint.config().num_hidden_layers,
-        dtype,
-        &device,
-    )?];
     let request = GenerateRequest {
         prompt_ids: tokenizer.encode(&args.prompt)?,
         max_new_tokens: args.max_new_tokens,
         sampling: args.sampling.params(),
         stop_at_eos: !args.ignore_eos,
     };
-    let mut chain = LocalChain::new(&spans, request.max_length().max(1))?;
+    request.sampling.validate()?;
 
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut print_error = None;
-    let output: GenerateOutput =
-        futures::executor::block_on(generate(&head, &mut chain, &request, |token| {
-            if args.json {
-                return ControlFlow::Continue(());
+    let on_token = |token| {
+        if args.json {
+            return ControlFlow::Continue(());
+        }
+        match stream.push(&tokenizer, token) {
+            Ok(Some(piece)) => {
+                let _ = write!(stdout, "{piece}");
+                let _ = stdout.flush();
             }
-            match stream.push(&tokenizer, token) {
-                Ok(Some(piece)) => {
-                    let _ = write!(stdout, "{piece}");
-                    let _ = stdout.flush();
-                }
-                Ok(None) => {}
-                Err(e) => print_error = Some(e),
-            }
-            ControlFlow::Continue(())
-        }))?;
+            Ok(None) => {}
+            Err(e) => print_error = Some(e),
+        }
+        ControlFlow::Continue(())
+    };
+    let (output, route) = runtime()?.block_on(async {
+        if args.local {
+            let num_layers = checkpoint.config().num_hidden_layers;
+            let spans = [BlockSpan::load(&checkpoint, 0, num_layers, dtype, &device)?];
+            let mut chain = LocalChain::new(&spans, request.max_length().max(1))?;
+            let output = generate(&head, &mut chain, &request, on_token).await?;
+            Ok::<_, anyhow::Error>((output, None))
+        } else {
+            let model = args
+                .swarm
+                .model_name
+                .clone()
+                .unwrap_or_else(|| default_model_name(&checkpoint));
+            let node = connect(&args.swarm.initial_peers).await?;
+            let fp = fingerprint(&checkpoint)?;
+            let records = find_route_records(
+                &node,
+                &model,
+                &fp,
+                checkpoint.config().num_hidden_layers,
+                args.swarm.discovery_timeout,
+            )
+            .await?;
+            let route = plan_route(&records, checkpoint.config().num_hidden_layers)?;
+            let settings = SessionSettings {
+                model,
+                fingerprint: fp,
+                max_length: request.max_length().max(1),
+                dtype: wire_dtype(dtype)?,
+                timeout: args.swarm.step_timeout,
+            };
+            let mut chain = RemoteChain::open(&node, &route, &settings, &device).await?;
+            let output = generate(&head, &mut chain, &request, on_token).await;
+            chain.close().await;
+            Ok((output?, Some(route)))
+        }
+    })?;
     if let Some(e) = print_error {
         return Err(e.into());
     }
     let text = tokenizer.decode(&output.generated_ids)?;
+    let mut stdout = std::io::stdout().lock();
     if args.json {
         let json = GenerateJson {
             prompt_ids: &output.prompt_ids,
@@ -199,6 +286,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             total_seconds: output.total_time.as_secs_f64(),
             stop_reason: output.stop_reason,
             dtype: format!("{dtype:?}").to_lowercase(),
+            route: route.as_deref(),
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {
@@ -209,6 +297,94 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             output.tokens_per_second(),
             output.stop_reason
         );
+    }
+    Ok(())
+}
+
+/// Looks the model up until its servers cover every block or `timeout`
+/// passes; keeps only servers holding the same weights as `fingerprint`.
+async fn find_route_records(
+    node: &NodeHandle,
+    model: &str,
+    fingerprint: &str,
+    num_layers: usize,
+    timeout: Duration,
+) -> Result<Vec<ServerRecord>> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let mut records = node
+            .discover(model, Duration::from_secs(5))
+            .await
+            .unwrap_or_default();
+        let before = records.len();
+        records.retain(|r| r.fingerprint == fingerprint);
+        if records.len() < before {
+            tracing::warn!(
+                skipped = before - records.len(),
+                "ignoring servers with other weights under the same name"
+            );
+        }
+        if uncovered_blocks(&records, num_layers).is_empty()
+            || tokio::time::Instant::now() >= deadline
+        {
+            return Ok(records);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[derive(Serialize)]
+struct SwarmJson<'a> {
+    model: &'a str,
+    num_layers: usize,
+    servers: &'a [ServerRecord],
+    uncovered: Vec<(usize, usize)>,
+    complete: bool,
+}
+
+async fn run_swarm(args: SwarmCommandArgs) -> Result<()> {
+    let checkpoint = args.model.as_deref().map(open_checkpoint).transpose()?;
+    let model = match (&args.swarm.model_name, &checkpoint) {
+        (Some(name), _) => name.clone(),
+        (None, Some(ck)) => default_model_name(ck),
+        (None, None) => {
+            bail!("pass --model-name NAME or --model DIR to say which model to look up")
+        }
+    };
+    let node = connect(&args.swarm.initial_peers).await?;
+    let records = node.discover(&model, args.swarm.discovery_timeout).await?;
+    let num_layers = checkpoint
+        .as_ref()
+        .map(|c| c.config().num_hidden_layers)
+        .or_else(|| records.iter().map(|r| r.num_layers as usize).max())
+        .unwrap_or(0);
+    let uncovered = uncovered_blocks(&records, num_layers);
+    if args.json {
+        let json = SwarmJson {
+            model: &model,
+            num_layers,
+            servers: &records,
+            complete: uncovered.is_empty() && num_layers > 0,
+            uncovered,
+        };
+        println!("{}", serde_json::to_string(&json)?);
+        return Ok(());
+    }
+    println!(
+        "model {model}: {} servers, {num_layers} blocks",
+        records.len()
+    );
+    for r in &records {
+        println!(
+            "  {}  blocks {:>3}..{:<3}  {:>8.1} tokens/s  {}  {}",
+            r.peer_id, r.start, r.end, r.throughput, r.dtype, r.fingerprint
+        );
+    }
+    if uncovered.is_empty() && num_layers > 0 {
+        println!("all {num_layers} blocks are served");
+    } else {
+        let gaps: Vec<String> = uncovered.iter().map(|(a, b)| format!("{a}..{b}")).collect();
+        println!("blocks not served: {}", gaps.join(", "));
     }
     Ok(())
 }

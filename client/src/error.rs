@@ -1,5 +1,7 @@
 //! The client crate's error type.
 
+use corolla_shared::session::SessionError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error(transparent)]
@@ -14,4 +16,24 @@ pub enum ClientError {
         new: usize,
         max: usize,
     },
+    #[error("no server covers blocks {}", format_ranges(.uncovered))]
+    NoRoute { uncovered: Vec<(usize, usize)> },
+    #[error("network: {0}")]
+    Network(String),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+fn format_ranges(ranges: &[(usize, usize)]) -> String {
+    ranges
+        .iter()
+        .map(|(a, b)| format!("{a}..{b}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl From<corolla_shared::node::NodeError> for ClientError {
+    fn from(e: corolla_shared::node::NodeError) -> Self {
+        ClientError::Network(e.to_string())
+    }
 }

@@ -2,19 +2,23 @@
 //!
 //! The client keeps the [`corolla_model::ClientHead`] (embeddings, final
 //! norm, LM head) and the sampler; the decoder blocks run behind a
-//! [`BlockChain`]: in this process ([`LocalChain`]) or, later, on servers.
+//! [`BlockChain`]: in this process ([`LocalChain`]) or on servers ([`RemoteChain`]).
 //! The same [`generate`] loop drives both, so a swarm run and a local run
 //! with the same seed produce the same tokens.
 
 mod error;
 pub mod generate;
 pub mod local;
+pub mod route;
 pub mod text;
 
 #[cfg(not(target_arch = "wasm32"))]
 pub mod cli;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod network;
 
 pub use error::ClientError;
 pub use generate::{generate, BlockChain, GenerateOutput, GenerateRequest, StopReason};
 pub use local::LocalChain;
+pub use route::{plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings};
 pub use text::{TextStream, TextTokenizer};

@@ -40,6 +40,12 @@ pub struct CorollaIndex {
     pub client: String,
     pub spans: Vec<SpanFile>,
     pub weight_map: BTreeMap<String, String>,
+    /// The source checkpoint's fingerprint (see [`crate::fingerprint`]).
+    #[serde(default)]
+    pub fingerprint: Option<String>,
+    /// The source model's default name in the DHT.
+    #[serde(default)]
+    pub model_name: Option<String>,
 }
 
 impl CorollaIndex {

@@ -178,6 +178,8 @@ pub fn convert(
         client: CLIENT_FILE.into(),
         spans,
         weight_map,
+        fingerprint: Some(crate::fingerprint::fingerprint(source)?),
+        model_name: Some(crate::fingerprint::default_model_name(source)),
     };
     let path = out.join(COROLLA_INDEX);
     let json =

@@ -12,10 +12,12 @@ pub mod config;
 pub mod convert;
 pub mod dtype;
 mod error;
+pub mod fingerprint;
 pub mod head;
 mod rope;
 pub mod sampler;
 pub mod span;
+pub mod wire;
 
 pub use checkpoint::Checkpoint;
 pub use config::LlamaConfig;

@@ -175,6 +175,8 @@ struct LayerCache {
 #[derive(Debug)]
 pub struct SessionCache {
     layers: Vec<LayerCache>,
+    /// Absolute index of the first layer this cache serves.
+    first_layer: usize,
     len: usize,
     capacity: usize,
 }
@@ -191,6 +193,11 @@ impl SessionCache {
 
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The absolute layers this cache serves.
+    pub fn layers(&self) -> std::ops::Range<usize> {
+        self.first_layer..self.first_layer + self.layers.len()
     }
 }
 
@@ -258,6 +265,23 @@ impl BlockSpan {
 
     /// Allocates a session's KV cache for up to `max_length` positions.
     pub fn new_cache(&self, max_length: usize) -> Result<SessionCache> {
+        self.new_cache_for(self.range(), max_length)
+    }
+
+    /// Allocates a KV cache for a session that runs only `layers` (absolute
+    /// indices, inside this span) of this span.
+    pub fn new_cache_for(
+        &self,
+        layers: std::ops::Range<usize>,
+        max_length: usize,
+    ) -> Result<SessionCache> {
+        if layers.start < self.start || layers.end > self.end || layers.is_empty() {
+            return Err(ModelError::LayerRange {
+                start: layers.start,
+                end: layers.end,
+                num_layers: self.config.num_hidden_layers,
+            });
+        }
         let max = self.config.max_position_embeddings;
         if max_length == 0 || max_length > max {
             return Err(ModelError::MaxLengthTooLarge {
@@ -271,9 +295,8 @@ impl BlockSpan {
             max_length,
             self.config.head_dim,
         );
-        let layers = self
-            .layers
-            .iter()
+        let caches = layers
+            .clone()
             .map(|_| {
                 Ok(LayerCache {
                     keys: Tensor::zeros(shape, self.dtype, &self.device)?,
@@ -282,7 +305,8 @@ impl BlockSpan {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(SessionCache {
-            layers,
+            layers: caches,
+            first_layer: layers.start,
             len: 0,
             capacity: max_length,
         })
@@ -323,7 +347,17 @@ impl BlockSpan {
             None
         };
         let mut x = hidden.to_dtype(self.dtype)?;
-        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        let served = cache.layers();
+        if served.start < self.start || served.end > self.end {
+            return Err(ModelError::LayerRange {
+                start: served.start,
+                end: served.end,
+                num_layers: self.config.num_hidden_layers,
+            });
+        }
+        let first = served.start - self.start;
+        let layers = &self.layers[first..first + cache.layers.len()];
+        for (layer, layer_cache) in layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.forward(&x, start, &self.rope, layer_cache, mask.as_ref())?;
         }
         cache.len = start + t;

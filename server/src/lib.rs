@@ -1,5 +1,16 @@
 //! `corolla-server`: hosts a span of transformer blocks for the swarm.
 //!
-//! Not built yet. The libp2p host, DHT announcements and inference sessions
-//! arrive with the swarm issue; the block math it will serve is
-//! `corolla_model::BlockSpan`.
+//! A server loads layers `[a, b)` of a model, joins the DHT (or starts a new
+//! swarm), announces what it serves every update period, and serves one
+//! inference session per libp2p stream with its own KV cache. The binary is
+//! a thin `main` over [`run_cli`]; tests start servers in-process with
+//! [`Server::start`].
+
+pub mod config;
+mod identity;
+mod measure;
+mod server;
+mod session;
+
+pub use config::{BlockRange, ServerArgs};
+pub use server::{run_cli, RunningServer, Server, ServerError};

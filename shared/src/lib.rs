@@ -1,12 +1,22 @@
 //! Corolla's wire format, shared by servers, native clients and the browser.
 //!
 //! This crate holds what crosses the network and nothing that computes: the
-//! tensor payload codec and the limits every decoder enforces before it
-//! allocates. It depends on neither candle nor tokio so that it builds for
-//! every target, wasm32 included.
+//! tensor payload codec, the session protocol's messages and framing, the
+//! server record, the limits every decoder enforces before it allocates, and
+//! the libp2p behaviour all nodes share. It depends on neither candle nor
+//! tokio so that it builds for every target, wasm32 included.
 
+pub mod behaviour;
+pub mod framing;
 pub mod limits;
+#[cfg(feature = "native")]
+pub mod native;
+pub mod node;
+pub mod protocol;
+pub mod record;
+pub mod session;
 pub mod tensor;
 
 pub use limits::Limits;
+pub use record::ServerRecord;
 pub use tensor::{Compression, TensorCodecError, TensorPayload, TensorView, WireDType};

@@ -22,6 +22,15 @@ impl Limits {
     };
 }
 
+impl Limits {
+    /// Largest frame a peer may send: one tensor plus the message around it.
+    pub fn max_frame_bytes(&self) -> usize {
+        usize::try_from(self.max_tensor_bytes)
+            .unwrap_or(usize::MAX)
+            .saturating_add(64 * 1024)
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self::DEFAULT

@@ -150,3 +150,19 @@ pub fn read_config(dir: &Path) -> serde_json::Value {
 pub fn read_weights(dir: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).expect("weights")
 }
+
+/// The `corolla` binary built beside this test executable.
+pub fn corolla_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target profile dir");
+    let bin = dir.join(format!("corolla{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it first (cargo build -p corolla-client --bin corolla)",
+        bin.display()
+    );
+    bin
+}

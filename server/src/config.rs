@@ -1,0 +1,225 @@
+//! The server's settings: command-line flags, each also readable from an
+//! environment variable `COROLLA_<FLAG>` and from a TOML config file
+//! (`--config FILE`, keys named like the flags). Precedence: flag, then
+//! environment, then file.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Parser;
+use corolla_model::ModelDType;
+use libp2p::Multiaddr;
+
+/// Blocks `A:B`, meaning layers `[A, B)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockRange {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl FromStr for BlockRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (a, b) = s
+            .split_once(':')
+            .ok_or_else(|| format!("{s:?} is not A:B (e.g. 0:20)"))?;
+        let start: usize = a
+            .trim()
+            .parse()
+            .map_err(|_| format!("{a:?} is not a block index"))?;
+        let end: usize = b
+            .trim()
+            .parse()
+            .map_err(|_| format!("{b:?} is not a block index"))?;
+        if start >= end {
+            return Err(format!("block range {start}:{end} is empty"));
+        }
+        Ok(BlockRange { start, end })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let value: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (e.g. 30s, 500ms)"))?;
+    let secs = match unit {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" | "min" => value * 60.0,
+        _ => return Err(format!("unknown unit {unit:?} in {s:?}; use ms, s or m")),
+    };
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!("duration {s:?} must be positive"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "corolla-server",
+    version,
+    about = "Serve a span of a model's blocks to the Corolla swarm"
+)]
+pub struct ServerArgs {
+    /// TOML file with settings named like the flags (e.g. `port = 31337`).
+    #[arg(long, env = "COROLLA_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Model folder (Hugging Face layout or `corolla convert` output).
+    #[arg(long, env = "COROLLA_MODEL")]
+    pub model: PathBuf,
+    /// The model's name in the DHT; defaults to one derived from the model.
+    #[arg(long, env = "COROLLA_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// Serve layers [A, B).
+    #[arg(long, env = "COROLLA_BLOCK_INDICES", conflicts_with = "num_blocks")]
+    pub block_indices: Option<BlockRange>,
+    /// Serve N consecutive layers, chosen where the swarm has the fewest servers.
+    #[arg(long, env = "COROLLA_NUM_BLOCKS")]
+    pub num_blocks: Option<usize>,
+    /// TCP and QUIC port; WebSocket and WebRTC-direct use the next one (0: any free ports).
+    #[arg(long, env = "COROLLA_PORT", default_value_t = 31337)]
+    pub port: u16,
+    #[arg(long, env = "COROLLA_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+    /// Host name or IP announced instead of the listen address (behind port forwarding).
+    #[arg(long, env = "COROLLA_PUBLIC_NAME")]
+    pub public_name: Option<String>,
+    /// Multiaddrs (with /p2p/) of servers already in the swarm.
+    #[arg(long, env = "COROLLA_INITIAL_PEERS", num_args = 1.., value_delimiter = ',', conflicts_with = "new_swarm")]
+    pub initial_peers: Vec<Multiaddr>,
+    /// Start a new swarm instead of joining one.
+    #[arg(long, env = "COROLLA_NEW_SWARM")]
+    pub new_swarm: bool,
+    #[arg(long, env = "COROLLA_DEVICE", value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
+    /// Compute dtype: auto, f32, f16 or bf16.
+    #[arg(long, env = "COROLLA_DTYPE", default_value = "auto")]
+    pub dtype: ModelDType,
+    /// File holding this server's key, created if absent, for a stable peer id.
+    #[arg(long, env = "COROLLA_IDENTITY")]
+    pub identity: Option<PathBuf>,
+    /// Longest session (prompt plus generated tokens) accepted.
+    #[arg(long, env = "COROLLA_INFERENCE_MAX_LENGTH", default_value_t = 2048)]
+    pub inference_max_length: usize,
+    #[arg(long, env = "COROLLA_MAX_SESSIONS", default_value_t = 16)]
+    pub max_sessions: usize,
+    /// Write the server's addresses here, as JSON, once it is ready to serve.
+    #[arg(long, env = "COROLLA_ADDR_FILE")]
+    pub addr_file: Option<PathBuf>,
+    /// How often the server re-announces itself; entries expire after two periods.
+    #[arg(long, env = "COROLLA_UPDATE_PERIOD", default_value = "60s", value_parser = parse_duration)]
+    pub update_period: Duration,
+    /// A session idle this long is closed and its cache freed.
+    #[arg(long, env = "COROLLA_SESSION_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
+    pub session_timeout: Duration,
+}
+
+impl ServerArgs {
+    /// Parses the process's arguments, with environment and config file.
+    pub fn from_env() -> Result<Self, String> {
+        let args: Vec<String> = std::env::args().collect();
+        Self::from_args_and_file(args)
+    }
+
+    /// Parses `args` after loading the config file they (or the
+    /// environment) name into `COROLLA_*` variables not already set.
+    pub fn from_args_and_file(args: Vec<String>) -> Result<Self, String> {
+        let config = args
+            .iter()
+            .position(|a| a == "--config")
+            .and_then(|i| args.get(i + 1).cloned())
+            .or_else(|| {
+                args.iter()
+                    .find_map(|a| a.strip_prefix("--config=").map(str::to_owned))
+            })
+            .or_else(|| std::env::var("COROLLA_CONFIG").ok());
+        if let Some(path) = config {
+            apply_config_file(Path::new(&path))?;
+        }
+        Self::try_parse_from(args).map_err(|e| e.to_string())
+    }
+}
+
+fn apply_config_file(path: &Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| format!("config file {} is not valid TOML: {e}", path.display()))?;
+    for (key, value) in table {
+        let var = format!("COROLLA_{}", key.replace('-', "_").to_uppercase());
+        let value = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Array(items) => items
+                .iter()
+                .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+                .collect::<Vec<_>>()
+                .join(","),
+            other => other.to_string(),
+        };
+        if std::env::var_os(&var).is_none() {
+            // Set before any thread is started, in `main`.
+            std::env::set_var(var, value);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_ranges_and_durations_parse() {
+        assert_eq!(
+            "2:5".parse::<BlockRange>().unwrap(),
+            BlockRange { start: 2, end: 5 }
+        );
+        assert!("5:5".parse::<BlockRange>().is_err());
+        assert!("a:5".parse::<BlockRange>().is_err());
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("3h").is_err());
+    }
+
+    #[test]
+    fn flags_parse_with_defaults() {
+        let args = ServerArgs::try_parse_from([
+            "corolla-server",
+            "--model",
+            "m",
+            "--block-indices",
+            "0:2",
+            "--new-swarm",
+        ])
+        .unwrap();
+        assert_eq!(args.port, 31337);
+        assert_eq!(args.block_indices, Some(BlockRange { start: 0, end: 2 }));
+        assert!(ServerArgs::try_parse_from([
+            "corolla-server",
+            "--model",
+            "m",
+            "--block-indices",
+            "0:2",
+            "--num-blocks",
+            "2"
+        ])
+        .is_err());
+    }
+}

@@ -1,0 +1,514 @@
+//! Starting a server: load the span, join the swarm, listen, announce, and
+//! accept sessions until shut down.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use corolla_model::fingerprint::{default_model_name, fingerprint};
+use corolla_model::{BlockSpan, Checkpoint, Device, ModelError};
+use corolla_shared::node::{Announcement, Node, NodeEvent, NodeHandle};
+use corolla_shared::protocol::{INFERENCE_PROTOCOL, INFO_PROTOCOL};
+use corolla_shared::{framing, native, Limits, ServerRecord};
+use futures::{AsyncWriteExt, StreamExt};
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::config::{DeviceArg, ServerArgs};
+use crate::identity::{load_or_create_certificate, load_or_create_keypair};
+use crate::measure::measure;
+use crate::session::{serve, SessionContext};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("identity: {0}")]
+    Identity(String),
+    #[error("{0}")]
+    Config(String),
+    #[error("network: {0}")]
+    Network(String),
+    #[error("cannot listen on {addr}: {message}")]
+    Listen { addr: Multiaddr, message: String },
+}
+
+/// A server running in this process. Dropping it stops it.
+pub struct RunningServer {
+    peer_id: PeerId,
+    addrs: Vec<Multiaddr>,
+    model: String,
+    start: usize,
+    end: usize,
+    node: NodeHandle,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningServer {
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// Listen addresses, each ending in `/p2p/<peer id>`.
+    pub fn addrs(&self) -> &[Multiaddr] {
+        &self.addrs
+    }
+
+    /// The TCP address: what native peers dial.
+    pub fn tcp_addr(&self) -> Option<&Multiaddr> {
+        self.addrs.iter().find(|a| {
+            a.iter().any(|p| matches!(p, Protocol::Tcp(_)))
+                && !a.iter().any(|p| matches!(p, Protocol::Ws(_)))
+        })
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.start, self.end)
+    }
+
+    pub fn node(&self) -> &NodeHandle {
+        &self.node
+    }
+
+    /// Stops listening, announcing and serving at once, as a crash would.
+    pub fn shutdown(mut self) {
+        self.abort();
+    }
+
+    fn abort(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+#[derive(Serialize)]
+struct AddrFile<'a> {
+    peer_id: String,
+    addrs: Vec<String>,
+    model: &'a str,
+    start: usize,
+    end: usize,
+}
+
+fn ip_proto(ip: IpAddr) -> Protocol<'static> {
+    match ip {
+        IpAddr::V4(ip) => Protocol::Ip4(ip),
+        IpAddr::V6(ip) => Protocol::Ip6(ip),
+    }
+}
+
+fn split_peer(addr: &Multiaddr) -> Result<(PeerId, Multiaddr), ServerError> {
+    let mut base = addr.clone();
+    match base.pop() {
+        Some(Protocol::P2p(peer)) => Ok((peer, base)),
+        _ => Err(ServerError::Config(format!(
+            "initial peer {addr} must end in /p2p/<peer id>"
+        ))),
+    }
+}
+
+/// Picks `n` consecutive blocks where the swarm is thinnest: the window
+/// whose least-served block has the fewest servers, then the fewest in total,
+/// then the lowest start.
+pub fn choose_blocks(num_layers: usize, n: usize, records: &[ServerRecord]) -> (usize, usize) {
+    let n = n.clamp(1, num_layers);
+    let mut coverage = vec![0usize; num_layers];
+    for r in records {
+        for c in coverage
+            .iter_mut()
+            .take((r.end as usize).min(num_layers))
+            .skip(r.start as usize)
+        {
+            *c += 1;
+        }
+    }
+    let best = (0..=num_layers - n)
+        .min_by_key(|&s| {
+            let w = &coverage[s..s + n];
+            (
+                w.iter().copied().min().unwrap_or(0),
+                w.iter().sum::<usize>(),
+                s,
+            )
+        })
+        .unwrap_or(0);
+    (best, best + n)
+}
+
+pub struct Server;
+
+impl Server {
+    pub async fn start(args: ServerArgs) -> Result<RunningServer, ServerError> {
+        if args.new_swarm == !args.initial_peers.is_empty() {
+            return Err(ServerError::Config(
+                "pass --new-swarm to start a swarm, or --initial-peers to join one".into(),
+            ));
+        }
+        let initial_peers = args
+            .initial_peers
+            .iter()
+            .map(split_peer)
+            .collect::<Result<Vec<_>, _>>()?;
+        if args.max_sessions == 0 || args.inference_max_length == 0 {
+            return Err(ServerError::Config(
+                "--max-sessions and --inference-max-length must be positive".into(),
+            ));
+        }
+        let device = match args.device {
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => cuda_device()?,
+        };
+        if !args.model.is_dir() {
+            return Err(ServerError::Config(format!(
+                "model folder {} does not exist",
+                args.model.display()
+            )));
+        }
+        let checkpoint = Arc::new(Checkpoint::open(&args.model)?);
+        let config = checkpoint.config().clone();
+        let num_layers = config.num_hidden_layers;
+        let model = args
+            .model_name
+            .clone()
+            .unwrap_or_else(|| default_model_name(&checkpoint));
+        let fp = {
+            let ck = checkpoint.clone();
+            tokio::task::spawn_blocking(move || fingerprint(&ck))
+                .await
+                .map_err(|e| ServerError::Config(e.to_string()))??
+        };
+
+        let keypair = load_or_create_keypair(args.identity.as_deref())?;
+        let certificate = load_or_create_certificate(args.identity.as_deref())?;
+        let swarm = native::build_swarm(keypair, args.update_period, Some(certificate))
+            .await
+            .map_err(|e| ServerError::Network(e.to_string()))?;
+        let (mut node, handle, mut events) = Node::new(swarm);
+        node.serve_dht(args.public_name.clone());
+        let peer_id = handle.peer_id();
+
+        let ip = ip_proto(args.host);
+        let other_port = if args.port == 0 {
+            0
+        } else {
+            args.port.saturating_add(1)
+        };
+        let tcp: Multiaddr = Multiaddr::empty()
+            .with(ip.clone())
+            .with(Protocol::Tcp(args.port));
+        let listeners = [
+            (tcp.clone(), true),
+            (
+                Multiaddr::empty()
+                    .with(ip.clone())
+                    .with(Protocol::Udp(args.port))
+                    .with(Protocol::QuicV1),
+                false,
+            ),
+            (
+                Multiaddr::empty()
+                    .with(ip.clone())
+                    .with(Protocol::Tcp(other_port))
+                    .with(Protocol::Ws("/".into())),
+                false,
+            ),
+            (
+                Multiaddr::empty()
+                    .with(ip)
+                    .with(Protocol::Udp(other_port))
+                    .with(Protocol::WebRTCDirect),
+                false,
+            ),
+        ];
+        let mut pending = HashSet::new();
+        for (addr, required) in listeners {
+            match node.swarm_mut().listen_on(addr.clone()) {
+                Ok(id) => {
+                    pending.insert(id);
+                }
+                Err(e) if required => {
+                    return Err(ServerError::Listen {
+                        addr,
+                        message: e.to_string(),
+                    })
+                }
+                Err(e) => tracing::warn!(%addr, error = %e, "listener not started"),
+            }
+        }
+        for (peer, addr) in &initial_peers {
+            node.swarm_mut()
+                .behaviour_mut()
+                .kad
+                .add_address(peer, addr.clone());
+            node.swarm_mut().add_peer_address(*peer, addr.clone());
+            if let Err(e) = node.swarm_mut().dial(*peer) {
+                tracing::warn!(%peer, error = %e, "cannot dial an initial peer");
+            }
+        }
+        if !initial_peers.is_empty() {
+            let _ = node.swarm_mut().behaviour_mut().kad.bootstrap();
+        }
+        let mut tasks = vec![tokio::spawn(node.run())];
+
+        let mut addrs = Vec::new();
+        let deadline = tokio::time::sleep(Duration::from_secs(10));
+        tokio::pin!(deadline);
+        while !pending.is_empty() {
+            tokio::select! {
+                event = events.next() => match event {
+                    Some(NodeEvent::Listening { listener_id, address }) => {
+                        pending.remove(&listener_id);
+                        addrs.push(address.with_p2p(peer_id).unwrap_or_else(|a| a));
+                    }
+                    Some(NodeEvent::ListenFailed { listener_id, error }) => {
+                        pending.remove(&listener_id);
+                        tracing::warn!(%error, "a listener failed; that transport is unavailable");
+                    }
+                    None => return Err(ServerError::Network("the network loop stopped".into())),
+                },
+                _ = &mut deadline => {
+                    tracing::warn!("some listeners did not report an address in time");
+                    break;
+                }
+            }
+        }
+        if !addrs
+            .iter()
+            .any(|a| a.iter().any(|p| matches!(p, Protocol::Tcp(_))))
+        {
+            return Err(ServerError::Listen {
+                addr: tcp,
+                message: "no TCP address".into(),
+            });
+        }
+
+        let (start, end) = match (args.block_indices, args.num_blocks) {
+            (Some(r), None) => (r.start, r.end),
+            (None, Some(n)) if n > 0 => {
+                let existing = if initial_peers.is_empty() {
+                    Vec::new()
+                } else {
+                    handle
+                        .discover(&model, Duration::from_secs(5))
+                        .await
+                        .unwrap_or_default()
+                };
+                choose_blocks(num_layers, n, &existing)
+            }
+            _ => {
+                return Err(ServerError::Config(
+                    "pass --block-indices A:B or --num-blocks N (N >= 1)".into(),
+                ))
+            }
+        };
+        if end > num_layers {
+            return Err(ModelError::LayerRange {
+                start,
+                end,
+                num_layers,
+            }
+            .into());
+        }
+        tracing::info!(%model, start, end, "loading blocks");
+        let (span, throughput) = {
+            let ck = checkpoint.clone();
+            let dtype = args.dtype.resolve(&config, &device);
+            tokio::task::spawn_blocking(move || {
+                let span = BlockSpan::load(&ck, start, end, dtype, &device)?;
+                let throughput = measure(&span)?;
+                Ok::<_, ModelError>((span, throughput))
+            })
+            .await
+            .map_err(|e| ServerError::Config(e.to_string()))??
+        };
+        tracing::info!(
+            decode = throughput.decode,
+            prefill = throughput.prefill,
+            "measured tokens per second"
+        );
+
+        let record = ServerRecord {
+            peer_id: peer_id.to_string(),
+            model: model.clone(),
+            fingerprint: fp.clone(),
+            start: start as u32,
+            end: end as u32,
+            num_layers: num_layers as u32,
+            hidden_size: config.hidden_size as u32,
+            throughput: throughput.decode,
+            prefill_throughput: throughput.prefill,
+            cache_tokens_left: (args.max_sessions * args.inference_max_length) as u64,
+            max_length: args.inference_max_length as u32,
+            sessions: 0,
+            max_sessions: args.max_sessions as u32,
+            dtype: format!("{:?}", span.dtype()).to_lowercase(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            addresses: addrs.iter().map(ToString::to_string).collect(),
+        };
+        let ctx = Arc::new(SessionContext {
+            span: Arc::new(span),
+            model: model.clone(),
+            fingerprint: fp,
+            limits: Limits::DEFAULT,
+            max_length: args.inference_max_length,
+            max_sessions: args.max_sessions,
+            idle_timeout: args.session_timeout,
+            permits: Arc::new(Semaphore::new(args.max_sessions)),
+            record: Mutex::new(record.clone()),
+        });
+        tasks.push(accept_sessions(&handle, ctx.clone())?);
+        tasks.push(accept_info(&handle, ctx)?);
+        handle
+            .announce(Some(Announcement {
+                record,
+                period: args.update_period,
+            }))
+            .await
+            .map_err(|e| ServerError::Network(e.to_string()))?;
+
+        if let Some(path) = &args.addr_file {
+            write_addr_file(
+                path,
+                &AddrFile {
+                    peer_id: peer_id.to_string(),
+                    addrs: addrs.iter().map(ToString::to_string).collect(),
+                    model: &model,
+                    start,
+                    end,
+                },
+            )?;
+        }
+        Ok(RunningServer {
+            peer_id,
+            addrs,
+            model,
+            start,
+            end,
+            node: handle,
+            tasks,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device() -> Result<Device, ServerError> {
+    Device::new_cuda(0).map_err(|e| ServerError::Config(format!("no usable CUDA device: {e}")))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> Result<Device, ServerError> {
+    Err(ServerError::Config(
+        "this build has no CUDA support; rebuild corolla-server with --features cuda".into(),
+    ))
+}
+
+fn write_addr_file(path: &Path, content: &AddrFile) -> Result<(), ServerError> {
+    let err =
+        |e: std::io::Error| ServerError::Config(format!("cannot write {}: {e}", path.display()));
+    let json =
+        serde_json::to_vec_pretty(content).map_err(|e| ServerError::Config(e.to_string()))?;
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, json).map_err(err)?;
+    std::fs::rename(&partial, path).map_err(err)
+}
+
+fn accept_sessions(
+    handle: &NodeHandle,
+    ctx: Arc<SessionContext>,
+) -> Result<JoinHandle<()>, ServerError> {
+    let mut incoming = handle
+        .control()
+        .accept(INFERENCE_PROTOCOL)
+        .map_err(|e| ServerError::Network(e.to_string()))?;
+    Ok(tokio::spawn(async move {
+        // Sessions live in this set, so aborting the acceptor ends them all.
+        let mut sessions = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                next = incoming.next() => match next {
+                    Some((peer, stream)) => {
+                        sessions.spawn(serve(stream, peer, ctx.clone()));
+                    }
+                    None => break,
+                },
+                Some(_) = sessions.join_next(), if !sessions.is_empty() => {}
+            }
+        }
+    }))
+}
+
+fn accept_info(
+    handle: &NodeHandle,
+    ctx: Arc<SessionContext>,
+) -> Result<JoinHandle<()>, ServerError> {
+    let mut incoming = handle
+        .control()
+        .accept(INFO_PROTOCOL)
+        .map_err(|e| ServerError::Network(e.to_string()))?;
+    Ok(tokio::spawn(async move {
+        while let Some((_peer, mut stream)) = incoming.next().await {
+            let bytes = ctx.record().to_bytes();
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                    let _ = framing::write_frame(&mut stream, &bytes).await;
+                    let _ = stream.close().await;
+                })
+                .await;
+            });
+        }
+    }))
+}
+
+/// The `corolla-server` binary's body.
+pub fn run_cli() -> anyhow::Result<()> {
+    let args = match ServerArgs::from_env() {
+        Ok(a) => a,
+        Err(e) => {
+            eprint!("{e}");
+            std::process::exit(2);
+        }
+    };
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn,webrtc=error"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let server = Server::start(args).await?;
+        tracing::info!(
+            peer_id = %server.peer_id(),
+            model = server.model(),
+            blocks = ?server.blocks(),
+            "ready; serving until Ctrl-C"
+        );
+        for addr in server.addrs() {
+            println!("{addr}");
+        }
+        tokio::signal::ctrl_c().await?;
+        tracing::info!("shutting down");
+        server.shutdown();
+        Ok(())
+    })
+}

@@ -1,0 +1,479 @@
+//! One event loop owning a node's libp2p swarm, and the handle through which
+//! the rest of the program talks to it.
+//!
+//! Servers and clients run the same loop: it answers DHT lookups, keeps the
+//! server's announcement fresh (a provider entry under the model's key plus
+//! its [`ServerRecord`] under its own key, re-published every update period
+//! and expiring after two), and reports listen addresses. Streams are opened
+//! and accepted through the `libp2p_stream::Control` in the handle, outside
+//! the loop. The loop is runtime-agnostic: the caller spawns [`Node::run`].
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures::channel::{mpsc, oneshot};
+use futures::{FutureExt, SinkExt, StreamExt};
+use futures_timer::Delay;
+use libp2p::core::transport::ListenerId;
+use libp2p::kad::{
+    self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey,
+};
+use libp2p::swarm::SwarmEvent;
+use libp2p::{Multiaddr, PeerId, Swarm};
+use web_time::Instant;
+
+use crate::behaviour::{Behaviour, BehaviourEvent};
+use crate::protocol::model_dht_key;
+use crate::record::ServerRecord;
+
+/// The DHT key holding one server's record.
+pub fn server_dht_key(peer: &PeerId) -> RecordKey {
+    RecordKey::new(&format!("/corolla/server/{peer}"))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("the network event loop has stopped")]
+    Stopped,
+    #[error("DHT lookup failed: {0}")]
+    Lookup(String),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+/// What a server publishes about itself.
+#[derive(Debug, Clone)]
+pub struct Announcement {
+    pub record: ServerRecord,
+    pub period: Duration,
+}
+
+enum Command {
+    AddAddress(PeerId, Multiaddr),
+    /// Answered when the lookup ends or its time is up, with what was found by then.
+    GetProviders(
+        RecordKey,
+        Duration,
+        oneshot::Sender<Result<HashSet<PeerId>, NodeError>>,
+    ),
+    GetRecord(RecordKey, oneshot::Sender<Result<Vec<u8>, NodeError>>),
+    Announce(Option<Announcement>),
+    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+}
+
+/// Listen outcomes reported to whoever started the node.
+#[derive(Debug, Clone)]
+pub enum NodeEvent {
+    Listening {
+        listener_id: ListenerId,
+        address: Multiaddr,
+    },
+    ListenFailed {
+        listener_id: ListenerId,
+        error: String,
+    },
+}
+
+/// `addr` with its IP replaced by `host` (an IP address or a DNS name).
+pub fn with_host(addr: &Multiaddr, host: &str) -> Multiaddr {
+    use libp2p::multiaddr::Protocol;
+    let replacement = match host.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V4(ip)) => Protocol::Ip4(ip),
+        Ok(std::net::IpAddr::V6(ip)) => Protocol::Ip6(ip),
+        Err(_) => Protocol::Dns(host.to_string().into()),
+    };
+    addr.iter()
+        .map(|p| match p {
+            Protocol::Ip4(_) | Protocol::Ip6(_) => replacement.clone(),
+            other => other,
+        })
+        .collect()
+}
+
+/// Cheap to clone; the loop stops when every handle is gone.
+#[derive(Clone)]
+pub struct NodeHandle {
+    peer_id: PeerId,
+    commands: mpsc::Sender<Command>,
+    control: libp2p_stream::Control,
+}
+
+struct ProviderLookup {
+    reply: oneshot::Sender<Result<HashSet<PeerId>, NodeError>>,
+    found: HashSet<PeerId>,
+    deadline: Instant,
+}
+
+/// How often pending lookups are checked against their deadlines.
+const LOOKUP_TICK: Duration = Duration::from_millis(100);
+
+pub struct Node {
+    swarm: Swarm<Behaviour>,
+    commands: mpsc::Receiver<Command>,
+    events: mpsc::UnboundedSender<NodeEvent>,
+    providers: HashMap<QueryId, ProviderLookup>,
+    records: HashMap<QueryId, oneshot::Sender<Result<Vec<u8>, NodeError>>>,
+    announcement: Option<Announcement>,
+    next_announce: Delay,
+    lookup_tick: Delay,
+    /// Servers advertise their listen addresses (or their public name) as external.
+    advertise: Option<Option<String>>,
+}
+
+impl Node {
+    /// Wraps a built swarm. Returns the loop to spawn, its handle, and the
+    /// stream of listen events.
+    pub fn new(
+        mut swarm: Swarm<Behaviour>,
+    ) -> (Node, NodeHandle, mpsc::UnboundedReceiver<NodeEvent>) {
+        let (tx, rx) = mpsc::channel(64);
+        let (events_tx, events_rx) = mpsc::unbounded();
+        let handle = NodeHandle {
+            peer_id: *swarm.local_peer_id(),
+            commands: tx,
+            control: swarm.behaviour_mut().stream.new_control(),
+        };
+        let node = Node {
+            swarm,
+            commands: rx,
+            events: events_tx,
+            providers: HashMap::new(),
+            records: HashMap::new(),
+            announcement: None,
+            next_announce: Delay::new(Duration::from_secs(3600)),
+            lookup_tick: Delay::new(LOOKUP_TICK),
+            advertise: None,
+        };
+        (node, handle, events_rx)
+    }
+
+    /// Makes this node a DHT server that advertises its listen addresses,
+    /// with the host part replaced by `public_host` when given.
+    pub fn serve_dht(&mut self, public_host: Option<String>) {
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .set_mode(Some(kad::Mode::Server));
+        self.advertise = Some(public_host);
+    }
+
+    /// Makes this node a DHT client: it queries but stores nothing for others.
+    pub fn client_dht(&mut self) {
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .set_mode(Some(kad::Mode::Client));
+    }
+
+    pub fn swarm_mut(&mut self) -> &mut Swarm<Behaviour> {
+        &mut self.swarm
+    }
+
+    pub async fn run(mut self) {
+        loop {
+            futures::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                command = self.commands.next() => match command {
+                    Some(c) => self.on_command(c),
+                    None => break,
+                },
+                _ = (&mut self.next_announce).fuse() => self.announce(),
+                _ = (&mut self.lookup_tick).fuse() => self.expire_lookups(),
+            }
+        }
+        tracing::debug!("node event loop stopped");
+    }
+
+    /// Ends provider lookups whose time is up: a lookup can wait long on
+    /// peers that died without closing their connections, and what it found
+    /// before that is the answer.
+    fn expire_lookups(&mut self) {
+        self.lookup_tick.reset(LOOKUP_TICK);
+        let now = Instant::now();
+        let expired: Vec<QueryId> = self
+            .providers
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            if let Some(lookup) = self.providers.remove(&id) {
+                let _ = lookup.reply.send(Ok(lookup.found));
+            }
+            if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                q.finish();
+            }
+        }
+    }
+
+    fn announce(&mut self) {
+        let Some(a) = &self.announcement else {
+            self.next_announce.reset(Duration::from_secs(3600));
+            return;
+        };
+        let period = a.period;
+        let mut record = a.record.clone();
+        record.addresses = self
+            .swarm
+            .external_addresses()
+            .map(|addr| {
+                addr.clone()
+                    .with_p2p(self.swarm.local_peer_id().to_owned())
+                    .unwrap_or_else(|a| a)
+                    .to_string()
+            })
+            .collect();
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        if let Err(e) = kad.start_providing(model_dht_key(&record.model)) {
+            tracing::warn!(error = %e, "cannot announce the model in the DHT");
+        }
+        let mut dht_record = Record::new(
+            server_dht_key(&self.swarm.local_peer_id().to_owned()),
+            record.to_bytes(),
+        );
+        dht_record.expires = Some(Instant::now() + period * 2);
+        if let Err(e) = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .put_record(dht_record, Quorum::One)
+        {
+            tracing::warn!(error = %e, "cannot publish the server record in the DHT");
+        }
+        tracing::debug!(model = %record.model, start = record.start, end = record.end, "announced");
+        self.next_announce.reset(period);
+    }
+
+    fn on_command(&mut self, command: Command) {
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        match command {
+            Command::AddAddress(peer, addr) => {
+                kad.add_address(&peer, addr.clone());
+                self.swarm.add_peer_address(peer, addr);
+            }
+            Command::GetProviders(key, timeout, reply) => {
+                let id = kad.get_providers(key);
+                let deadline = Instant::now() + timeout;
+                self.providers.insert(
+                    id,
+                    ProviderLookup {
+                        reply,
+                        found: HashSet::new(),
+                        deadline,
+                    },
+                );
+            }
+            Command::GetRecord(key, reply) => {
+                let id = kad.get_record(key);
+                self.records.insert(id, reply);
+            }
+            Command::Announce(a) => {
+                self.announcement = a;
+                self.announce();
+            }
+            Command::ListenAddrs(reply) => {
+                let _ = reply.send(self.swarm.listeners().cloned().collect());
+            }
+        }
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr {
+                address,
+                listener_id,
+            } => {
+                tracing::info!(%address, "listening");
+                if let Some(public_host) = &self.advertise {
+                    let external = match public_host {
+                        Some(host) => with_host(&address, host),
+                        None => address.clone(),
+                    };
+                    self.swarm.add_external_address(external);
+                }
+                let _ = self.events.unbounded_send(NodeEvent::Listening {
+                    listener_id,
+                    address,
+                });
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason: Err(e),
+                ..
+            } => {
+                let _ = self.events.unbounded_send(NodeEvent::ListenFailed {
+                    listener_id,
+                    error: e.to_string(),
+                });
+            }
+            SwarmEvent::ListenerError { error, .. } => {
+                tracing::warn!(%error, "listener error");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(
+                libp2p::identify::Event::Received { peer_id, info, .. },
+            )) => {
+                // Only servers take part in the DHT; clients run Kademlia in
+                // client mode and are never added.
+                if info
+                    .protocols
+                    .iter()
+                    .any(|p| *p == crate::protocol::KADEMLIA_PROTOCOL)
+                {
+                    for addr in info.listen_addrs {
+                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
+                id,
+                result,
+                step,
+                ..
+            })) => {
+                self.on_query(id, result, step.last);
+            }
+            _ => {}
+        }
+    }
+
+    fn on_query(&mut self, id: QueryId, result: QueryResult, last: bool) {
+        match result {
+            QueryResult::GetProviders(result) => {
+                if let Some(lookup) = self.providers.get_mut(&id) {
+                    if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = &result {
+                        lookup.found.extend(providers.iter().copied());
+                    }
+                }
+                if last {
+                    if let Some(lookup) = self.providers.remove(&id) {
+                        // A lookup that found nobody in a reachable DHT is
+                        // an empty answer, not a failure.
+                        let _ = lookup.reply.send(Ok(lookup.found));
+                    }
+                }
+            }
+            QueryResult::GetRecord(result) => {
+                if let Ok(GetRecordOk::FoundRecord(peer_record)) = result {
+                    if let Some(reply) = self.records.remove(&id) {
+                        let _ = reply.send(Ok(peer_record.record.value));
+                    }
+                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                        q.finish();
+                    }
+                } else if last {
+                    if let Some(reply) = self.records.remove(&id) {
+                        let _ = reply.send(Err(NodeError::Lookup("record not found".into())));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+impl NodeHandle {
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    pub fn control(&self) -> libp2p_stream::Control {
+        self.control.clone()
+    }
+
+    async fn send(&self, command: Command) -> Result<(), NodeError> {
+        self.commands
+            .clone()
+            .send(command)
+            .await
+            .map_err(|_| NodeError::Stopped)
+    }
+
+    pub async fn add_address(&self, peer: PeerId, addr: Multiaddr) -> Result<(), NodeError> {
+        self.send(Command::AddAddress(peer, addr)).await
+    }
+
+    /// Starts (or, with `None`, stops) announcing this server.
+    pub async fn announce(&self, announcement: Option<Announcement>) -> Result<(), NodeError> {
+        self.send(Command::Announce(announcement)).await
+    }
+
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::ListenAddrs(tx)).await?;
+        rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// Servers announcing `model`: all the lookup found within `timeout`.
+    pub async fn providers(
+        &self,
+        model: &str,
+        timeout: Duration,
+    ) -> Result<HashSet<PeerId>, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::GetProviders(model_dht_key(model), timeout, tx))
+            .await?;
+        rx.await.map_err(|_| NodeError::Stopped)?
+    }
+
+    /// The record `peer` published, checked to be its own; its addresses are
+    /// handed to the swarm so that streams to it can be opened.
+    pub async fn server_record(&self, peer: PeerId) -> Result<ServerRecord, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::GetRecord(server_dht_key(&peer), tx))
+            .await?;
+        let bytes = rx.await.map_err(|_| NodeError::Stopped)??;
+        let record = ServerRecord::from_bytes(&bytes).map_err(NodeError::Lookup)?;
+        if record.peer_id != peer.to_string() {
+            return Err(NodeError::Lookup(format!(
+                "record of {peer} names another peer"
+            )));
+        }
+        for addr in &record.addresses {
+            if let Ok(addr) = addr.parse::<Multiaddr>() {
+                self.add_address(peer, addr).await?;
+            }
+        }
+        Ok(record)
+    }
+
+    /// Every server of `model` currently announced in the DHT, with its record.
+    pub async fn discover(
+        &self,
+        model: &str,
+        timeout: Duration,
+    ) -> Result<Vec<ServerRecord>, NodeError> {
+        let peers = self.providers(model, timeout).await?;
+        let lookups = peers.into_iter().map(|peer| async move {
+            match with_timeout(timeout, self.server_record(peer)).await {
+                Ok(Ok(r)) => Some(r),
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "no usable record");
+                    None
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "record lookup timed out");
+                    None
+                }
+            }
+        });
+        let mut records: Vec<ServerRecord> = futures::future::join_all(lookups)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        records.retain(|r| r.model == model);
+        records.sort_by(|a, b| (a.start, &a.peer_id).cmp(&(b.start, &b.peer_id)));
+        Ok(records)
+    }
+}
+
+/// Runs `fut` with a deadline, on any runtime.
+pub async fn with_timeout<F: std::future::Future>(
+    timeout: Duration,
+    fut: F,
+) -> Result<F::Output, NodeError> {
+    futures::select! {
+        out = fut.fuse() => Ok(out),
+        _ = Delay::new(timeout).fuse() => Err(NodeError::Timeout(timeout)),
+    }
+}

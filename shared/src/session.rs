@@ -1,0 +1,186 @@
+//! The client side of one inference session over one stream, at the level of
+//! bytes and payloads (no tensors), so that native and browser clients share it.
+
+use std::time::Duration;
+
+use futures::AsyncWriteExt;
+use libp2p::PeerId;
+
+use crate::framing::{read_frame, write_frame};
+use crate::limits::Limits;
+use crate::node::{with_timeout, NodeError};
+use crate::protocol::{
+    encode_step, ErrorCode, OpenRequest, ProtocolError, Request, Response, INFERENCE_PROTOCOL,
+    INFO_PROTOCOL,
+};
+use crate::record::{ServerRecord, MAX_RECORD_BYTES};
+use crate::tensor::TensorPayload;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("cannot open a stream to {peer}: {message}")]
+    Connect { peer: PeerId, message: String },
+    #[error("connection to {peer} failed: {source}")]
+    Io {
+        peer: PeerId,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{peer} closed the session")]
+    Closed { peer: PeerId },
+    #[error("{peer} sent a bad message: {source}")]
+    Protocol {
+        peer: PeerId,
+        #[source]
+        source: ProtocolError,
+    },
+    #[error("{peer} refused: {message} ({code:?})")]
+    Remote {
+        peer: PeerId,
+        code: ErrorCode,
+        message: String,
+    },
+    #[error("{peer} sent an unexpected message")]
+    Unexpected { peer: PeerId },
+    #[error("{peer} did not answer within {timeout:?}")]
+    Timeout { peer: PeerId, timeout: Duration },
+}
+
+impl SessionError {
+    pub fn peer(&self) -> PeerId {
+        match self {
+            SessionError::Connect { peer, .. }
+            | SessionError::Io { peer, .. }
+            | SessionError::Closed { peer }
+            | SessionError::Protocol { peer, .. }
+            | SessionError::Remote { peer, .. }
+            | SessionError::Unexpected { peer }
+            | SessionError::Timeout { peer, .. } => *peer,
+        }
+    }
+}
+
+pub struct RemoteSession {
+    peer: PeerId,
+    stream: libp2p::Stream,
+    buf: Vec<u8>,
+    limits: Limits,
+    timeout: Duration,
+}
+
+impl RemoteSession {
+    /// Opens a stream to `peer` and a session on it.
+    pub async fn open(
+        control: &mut libp2p_stream::Control,
+        peer: PeerId,
+        request: OpenRequest,
+        timeout: Duration,
+    ) -> Result<Self, SessionError> {
+        let stream =
+            match with_timeout(timeout, control.open_stream(peer, INFERENCE_PROTOCOL)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    return Err(SessionError::Connect {
+                        peer,
+                        message: e.to_string(),
+                    })
+                }
+                Err(_) => return Err(SessionError::Timeout { peer, timeout }),
+            };
+        let mut session = RemoteSession {
+            peer,
+            stream,
+            buf: Vec::new(),
+            limits: Limits::DEFAULT,
+            timeout,
+        };
+        let frame = Request::Open(request).encode();
+        match session.exchange(&frame).await? {
+            Response::Opened { .. } => Ok(session),
+            _ => Err(SessionError::Unexpected { peer }),
+        }
+    }
+
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    /// Sends hidden states for positions `start..start + T`; returns the span's output.
+    pub async fn step(
+        &mut self,
+        start: u32,
+        hidden: &TensorPayload,
+    ) -> Result<TensorPayload, SessionError> {
+        let frame = encode_step(start, hidden);
+        match self.exchange(&frame).await? {
+            Response::StepOut { hidden } => Ok(hidden.to_owned()),
+            _ => Err(SessionError::Unexpected { peer: self.peer }),
+        }
+    }
+
+    /// Ends the session politely; the server frees its cache.
+    pub async fn close(mut self) {
+        let _ = write_frame(&mut self.stream, &Request::Close.encode()).await;
+        let _ = self.stream.close().await;
+    }
+
+    async fn exchange(&mut self, frame: &[u8]) -> Result<Response<'_>, SessionError> {
+        let peer = self.peer;
+        let timeout = self.timeout;
+        let io = |source| SessionError::Io { peer, source };
+        let got = with_timeout(timeout, async {
+            write_frame(&mut self.stream, frame).await.map_err(io)?;
+            read_frame(
+                &mut self.stream,
+                self.limits.max_frame_bytes(),
+                &mut self.buf,
+            )
+            .await
+            .map_err(io)
+        })
+        .await
+        .map_err(|_| SessionError::Timeout { peer, timeout })??;
+        if !got {
+            return Err(SessionError::Closed { peer });
+        }
+        match Response::decode(&self.buf, &self.limits) {
+            Ok(Response::Error { code, message }) => Err(SessionError::Remote {
+                peer,
+                code,
+                message,
+            }),
+            Ok(r) => Ok(r),
+            Err(source) => Err(SessionError::Protocol { peer, source }),
+        }
+    }
+}
+
+/// Asks `peer` for its live record over the info protocol.
+pub async fn fetch_info(
+    control: &mut libp2p_stream::Control,
+    peer: PeerId,
+    timeout: Duration,
+) -> Result<ServerRecord, SessionError> {
+    let result = with_timeout(timeout, async {
+        let mut stream = control
+            .open_stream(peer, INFO_PROTOCOL)
+            .await
+            .map_err(|e| SessionError::Connect {
+                peer,
+                message: e.to_string(),
+            })?;
+        let mut buf = Vec::new();
+        let got = read_frame(&mut stream, MAX_RECORD_BYTES, &mut buf)
+            .await
+            .map_err(|source| SessionError::Io { peer, source })?;
+        if !got {
+            return Err(SessionError::Closed { peer });
+        }
+        ServerRecord::from_bytes(&buf).map_err(|_| SessionError::Unexpected { peer })
+    })
+    .await;
+    match result {
+        Ok(r) => r,
+        Err(NodeError::Timeout(_)) | Err(_) => Err(SessionError::Timeout { peer, timeout }),
+    }
+}

@@ -1,0 +1,262 @@
+//! Bad input on the inference protocol: each gets an error frame with a
+//! clear message, while a healthy session on the same server keeps
+//! producing the reference tokens.
+
+use std::time::Duration;
+
+use corolla_client::network::connect;
+use corolla_client::{generate, plan_route, GenerateRequest, RemoteChain, SessionSettings};
+use corolla_model::fingerprint::fingerprint;
+use corolla_model::{Checkpoint, ClientHead, DType, Device, SamplingParams};
+use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_shared::framing::{read_frame, write_frame};
+use corolla_shared::protocol::{
+    encode_step, ErrorCode, OpenRequest, Request, Response, INFERENCE_PROTOCOL,
+};
+use corolla_shared::{Limits, TensorPayload, WireDType};
+use corolla_tests::{tiny_llama, Golden};
+use futures::AsyncWriteExt;
+use libp2p::Stream;
+
+async fn server() -> RunningServer {
+    let args = ServerArgs::from_args_and_file(
+        [
+            "corolla-server",
+            "--model",
+            tiny_llama().to_str().unwrap(),
+            "--block-indices",
+            "0:4",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--new-swarm",
+            "--inference-max-length",
+            "128",
+            "--update-period",
+            "5s",
+        ]
+        .map(String::from)
+        .to_vec(),
+    )
+    .unwrap();
+    Server::start(args).await.unwrap()
+}
+
+/// Sends one frame and decodes the answer; `None` when the server closed the stream.
+async fn exchange(stream: &mut Stream, frame: &[u8]) -> Option<(Option<ErrorCode>, String)> {
+    write_frame(stream, frame).await.ok()?;
+    let mut buf = Vec::new();
+    if !read_frame(stream, Limits::DEFAULT.max_frame_bytes(), &mut buf)
+        .await
+        .ok()?
+    {
+        return None;
+    }
+    Some(
+        match Response::decode(&buf, &Limits::DEFAULT).expect("server frames decode") {
+            Response::Error { code, message } => (Some(code), message),
+            Response::Opened { max_length } => (None, format!("opened {max_length}")),
+            Response::StepOut { hidden } => (None, format!("step out {:?}", hidden.shape)),
+        },
+    )
+}
+
+fn open(model: &str, start: u32, end: u32, max_length: u32, fingerprint: &str) -> Vec<u8> {
+    Request::Open(OpenRequest {
+        model: model.into(),
+        fingerprint: fingerprint.into(),
+        start,
+        end,
+        max_length,
+        dtype: WireDType::F32,
+    })
+    .encode()
+}
+
+fn hidden(t: usize, h: usize) -> TensorPayload {
+    TensorPayload::new(WireDType::F32, vec![1, t, h], vec![0; 4 * t * h]).unwrap()
+}
+
+fn assert_error(got: Option<(Option<ErrorCode>, String)>, code: ErrorCode, needle: &str) {
+    let (got_code, message) = got.expect("an answer, not a closed stream");
+    assert_eq!(got_code, Some(code), "{message}");
+    assert!(
+        message.contains(needle),
+        "{message:?} should mention {needle:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
+    let server = server().await;
+    let node = connect(&[server.tcp_addr().unwrap().clone()])
+        .await
+        .unwrap();
+    let model = server.model().to_string();
+    let fp = fingerprint(&Checkpoint::open(tiny_llama()).unwrap()).unwrap();
+
+    // The healthy session, generating alongside every bad request.
+    let healthy = {
+        let node = node.clone();
+        let model = model.clone();
+        let fp = fp.clone();
+        let peer = server.peer_id();
+        tokio::spawn(async move {
+            let ck = Checkpoint::open(tiny_llama()).unwrap();
+            let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
+            let golden = Golden::load(&tiny_llama(), "float32");
+            let mut records = Vec::new();
+            for _ in 0..50 {
+                records = node
+                    .discover(&model, Duration::from_secs(5))
+                    .await
+                    .unwrap_or_default();
+                if !records.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let route = plan_route(&records, 4).unwrap();
+            assert_eq!(route[0].peer_id, peer.to_string());
+            let request = GenerateRequest {
+                prompt_ids: golden.prompts[2].input_ids.clone(),
+                max_new_tokens: 32,
+                sampling: SamplingParams::greedy(),
+                stop_at_eos: false,
+            };
+            let settings = SessionSettings {
+                model,
+                fingerprint: fp,
+                max_length: request.max_length(),
+                dtype: WireDType::F32,
+                timeout: Duration::from_secs(60),
+            };
+            let mut chain = RemoteChain::open(&node, &route, &settings, &Device::Cpu)
+                .await
+                .unwrap();
+            let out = generate(&head, &mut chain, &request, |_| {
+                std::thread::sleep(Duration::from_millis(10));
+                std::ops::ControlFlow::Continue(())
+            })
+            .await
+            .unwrap();
+            assert_eq!(out.generated_ids, golden.prompts[2].generated_new_ids);
+        })
+    };
+
+    let control = node.control();
+    let peer = server.peer_id();
+    let new_stream = || {
+        let mut control = control.clone();
+        async move { control.open_stream(peer, INFERENCE_PROTOCOL).await.unwrap() }
+    };
+
+    // A malformed frame, then the same stream still works.
+    let mut s = new_stream().await;
+    assert_error(
+        exchange(&mut s, &[0xff, 1, 2, 3]).await,
+        ErrorCode::BadFrame,
+        "malformed request",
+    );
+    assert_error(
+        exchange(&mut s, &[]).await,
+        ErrorCode::BadFrame,
+        "empty message",
+    );
+    let (code, msg) = exchange(&mut s, &open(&model, 0, 4, 16, &fp))
+        .await
+        .unwrap();
+    assert_eq!(code, None, "{msg}");
+
+    // A step with no session open.
+    let mut s2 = new_stream().await;
+    assert_error(
+        exchange(&mut s2, &encode_step(0, &hidden(1, 64))).await,
+        ErrorCode::UnknownSession,
+        "Open first",
+    );
+
+    // Opens the server must refuse.
+    assert_error(
+        exchange(&mut s2, &open("other-model", 0, 4, 16, "")).await,
+        ErrorCode::WrongModel,
+        "other-model",
+    );
+    assert_error(
+        exchange(&mut s2, &open(&model, 0, 4, 16, "0123abcd")).await,
+        ErrorCode::WrongModel,
+        "other weights",
+    );
+    assert_error(
+        exchange(&mut s2, &open(&model, 2, 6, 16, &fp)).await,
+        ErrorCode::SpanNotServed,
+        "blocks 2..6",
+    );
+    assert_error(
+        exchange(&mut s2, &open(&model, 3, 3, 16, &fp)).await,
+        ErrorCode::SpanNotServed,
+        "blocks 3..3",
+    );
+    assert_error(
+        exchange(&mut s2, &open(&model, 0, 4, 129, &fp)).await,
+        ErrorCode::TooLong,
+        "max_length 129",
+    );
+
+    // Steps the open session must refuse, then a good one.
+    assert_error(
+        exchange(&mut s, &encode_step(0, &hidden(2, 63))).await,
+        ErrorCode::BadShape,
+        "[1, T, 64]",
+    );
+    assert_error(
+        exchange(&mut s, &encode_step(3, &hidden(1, 64))).await,
+        ErrorCode::BadShape,
+        "start position 3",
+    );
+    assert_error(
+        exchange(&mut s, &encode_step(0, &hidden(17, 64))).await,
+        ErrorCode::TooLong,
+        "max_length 16",
+    );
+    let mut huge = vec![2u8, 0, 0, 0, 0];
+    huge.extend_from_slice(b"CTNS\x01\x00\x00\x03");
+    for dim in [1u64, 1 << 20, 1 << 20] {
+        huge.extend_from_slice(&dim.to_le_bytes());
+    }
+    assert_error(
+        exchange(&mut s, &huge).await,
+        ErrorCode::BadFrame,
+        "exceeds the limit",
+    );
+    let (code, msg) = exchange(&mut s, &encode_step(0, &hidden(3, 64)))
+        .await
+        .unwrap();
+    assert_eq!((code, msg.as_str()), (None, "step out [1, 3, 64]"));
+
+    // A frame longer than the limit: refused, and the stream is closed.
+    let mut s3 = new_stream().await;
+    s3.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    s3.flush().await.unwrap();
+    let mut buf = Vec::new();
+    assert!(read_frame(&mut s3, 1 << 20, &mut buf).await.unwrap());
+    match Response::decode(&buf, &Limits::DEFAULT).unwrap() {
+        Response::Error { code, message } => {
+            assert_eq!(code, ErrorCode::TooLong);
+            assert!(message.contains("exceeds the limit"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        !read_frame(&mut s3, 1 << 20, &mut buf)
+            .await
+            .unwrap_or(false),
+        "stream closed after an oversized frame"
+    );
+
+    healthy
+        .await
+        .expect("the healthy session produced the reference tokens");
+    drop(control);
+}

@@ -1,0 +1,195 @@
+//! Real servers on ephemeral loopback ports, chained by the real `corolla`
+//! binary through the DHT.
+
+use std::time::{Duration, Instant};
+
+use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_tests::{corolla_bin, tiny_llama, Golden};
+use serde_json::Value;
+
+const UPDATE_PERIOD_SECS: u64 = 2;
+
+async fn start_server(blocks: &str, join: Option<&RunningServer>) -> RunningServer {
+    let model = tiny_llama();
+    let mut args = vec![
+        "corolla-server".to_string(),
+        "--model".into(),
+        model.to_string_lossy().into_owned(),
+        "--block-indices".into(),
+        blocks.into(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        "0".into(),
+        "--update-period".into(),
+        format!("{UPDATE_PERIOD_SECS}s"),
+        "--inference-max-length".into(),
+        "256".into(),
+    ];
+    match join {
+        None => args.push("--new-swarm".into()),
+        Some(first) => {
+            args.push("--initial-peers".into());
+            args.push(first.tcp_addr().expect("tcp address").to_string());
+        }
+    }
+    let args = ServerArgs::from_args_and_file(args).expect("server args");
+    Server::start(args).await.expect("server starts")
+}
+
+/// The first server's TCP multiaddr, as the CLI takes it.
+fn bootstrap(servers: &[RunningServer]) -> String {
+    servers[0].tcp_addr().expect("tcp address").to_string()
+}
+
+async fn corolla(args: &[&str]) -> Value {
+    let out = tokio::process::Command::new(corolla_bin())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run corolla");
+    assert!(
+        out.status.success(),
+        "corolla {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+async fn generate(extra: &[&str]) -> Value {
+    let model = tiny_llama();
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--json",
+        "--max-new-tokens",
+        "32",
+    ];
+    args.extend_from_slice(extra);
+    corolla(&args).await
+}
+
+async fn three_servers() -> Vec<RunningServer> {
+    let first = start_server("0:1", None).await;
+    let second = start_server("1:3", Some(&first)).await;
+    let third = start_server("3:4", Some(&first)).await;
+    vec![first, second, third]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_server_chain_generates_the_reference_tokens() {
+    let servers = three_servers().await;
+    let peers = bootstrap(&servers);
+    let golden = Golden::load(&tiny_llama(), "float32");
+    for prompt in &golden.prompts {
+        let out = generate(&["--initial-peers", &peers, "--prompt", &prompt.prompt]).await;
+        let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+        assert_eq!(ids, prompt.generated_new_ids, "prompt {:?}", prompt.prompt);
+        let route = out["route"].as_array().expect("route");
+        let hops: Vec<(String, u64, u64)> = route
+            .iter()
+            .map(|h| {
+                (
+                    h["peer_id"].as_str().unwrap().to_string(),
+                    h["start"].as_u64().unwrap(),
+                    h["end"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        let expected: Vec<(String, u64, u64)> = servers
+            .iter()
+            .map(|s| {
+                (
+                    s.peer_id().to_string(),
+                    s.blocks().0 as u64,
+                    s.blocks().1 as u64,
+                )
+            })
+            .collect();
+        assert_eq!(hops, expected);
+    }
+
+    let prompt = &golden.prompts[1].prompt;
+    let sampling = [
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1234",
+        "--prompt",
+        prompt,
+    ];
+    let local = generate(&[&["--local"], &sampling[..]].concat()).await;
+    let swarm = generate(&[&["--initial-peers", &peers], &sampling[..]].concat()).await;
+    assert_eq!(swarm["generated_ids"], local["generated_ids"]);
+    assert_ne!(
+        serde_json::from_value::<Vec<u32>>(local["generated_ids"].clone()).unwrap(),
+        golden.prompts[1].generated_new_ids,
+        "sampling should differ from greedy"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
+    let mut servers = three_servers().await;
+    let peers = bootstrap(&servers);
+    let model = tiny_llama();
+    let swarm = || async {
+        corolla(&[
+            "swarm",
+            "--initial-peers",
+            &peers,
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "--discovery-timeout",
+            "5",
+        ])
+        .await
+    };
+    // Announcements propagate within moments; wait for all three.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let view = loop {
+        let view = swarm().await;
+        if view["servers"].as_array().unwrap().len() == 3 || Instant::now() > deadline {
+            break view;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(view["complete"], true, "{view}");
+    assert_eq!(view["servers"].as_array().unwrap().len(), 3, "{view}");
+    assert_eq!(view["uncovered"], serde_json::json!([]));
+
+    let dead = servers.pop().unwrap();
+    let dead_id = dead.peer_id().to_string();
+    let killed = Instant::now();
+    dead.shutdown();
+    let view = loop {
+        let view = swarm().await;
+        let listed = view["servers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["peer_id"] == dead_id.as_str());
+        if !listed {
+            break view;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(2 * UPDATE_PERIOD_SECS + 3),
+            "the dead server is still listed after {:?}",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let gone_after = killed.elapsed();
+    println!("dead server gone from the DHT after {gone_after:?}");
+    assert!(gone_after <= Duration::from_secs(2 * UPDATE_PERIOD_SECS + 3));
+    assert_eq!(view["complete"], false);
+    assert_eq!(view["uncovered"], serde_json::json!([[3, 4]]));
+}
