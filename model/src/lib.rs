@@ -14,6 +14,7 @@ pub mod dtype;
 mod error;
 pub mod fingerprint;
 pub mod head;
+pub mod random;
 mod rope;
 pub mod sampler;
 pub mod span;

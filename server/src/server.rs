@@ -155,7 +155,7 @@ pub struct Server;
 
 impl Server {
     pub async fn start(args: ServerArgs) -> Result<RunningServer, ServerError> {
-        if args.new_swarm == !args.initial_peers.is_empty() {
+        if args.new_swarm != args.initial_peers.is_empty() {
             return Err(ServerError::Config(
                 "pass --new-swarm to start a swarm, or --initial-peers to join one".into(),
             ));

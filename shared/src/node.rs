@@ -309,19 +309,13 @@ impl Node {
             SwarmEvent::ListenerError { error, .. } => {
                 tracing::warn!(%error, "listener error");
             }
+            // Only servers take part in the DHT; clients run Kademlia in
+            // client mode and are never added.
             SwarmEvent::Behaviour(BehaviourEvent::Identify(
                 libp2p::identify::Event::Received { peer_id, info, .. },
-            )) => {
-                // Only servers take part in the DHT; clients run Kademlia in
-                // client mode and are never added.
-                if info
-                    .protocols
-                    .iter()
-                    .any(|p| *p == crate::protocol::KADEMLIA_PROTOCOL)
-                {
-                    for addr in info.listen_addrs {
-                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-                    }
+            )) if info.protocols.contains(&crate::protocol::KADEMLIA_PROTOCOL) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {

@@ -1,0 +1,184 @@
+//! `corolla-bench`: tokens per second of generation through a swarm of
+//! servers on loopback, divided by the same generation in one process, in
+//! the same run. Writes its figures to BENCHMARKS.md.
+//!
+//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--write FILE]`
+
+use std::time::Duration;
+
+use corolla_client::network::connect;
+use corolla_client::{
+    generate, plan_route, GenerateRequest, LocalChain, RemoteChain, SessionSettings,
+};
+use corolla_model::fingerprint::fingerprint;
+use corolla_model::random::{write_random_checkpoint, RandomSpec};
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
+use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_shared::WireDType;
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+async fn start(model: &str, blocks: String, join: Option<String>) -> RunningServer {
+    let mut args: Vec<String> = [
+        "corolla-server",
+        "--model",
+        model,
+        "--block-indices",
+        &blocks,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--update-period",
+        "30s",
+    ]
+    .map(String::from)
+    .to_vec();
+    match join {
+        Some(peer) => args.extend(["--initial-peers".into(), peer]),
+        None => args.push("--new-swarm".into()),
+    }
+    Server::start(ServerArgs::from_args_and_file(args).expect("args"))
+        .await
+        .expect("server")
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "2");
+    }
+    let rounds = arg("--rounds", 3);
+    let new_tokens = arg("--new-tokens", 128);
+    let servers_n = 4;
+    let spec = RandomSpec {
+        hidden_size: 512,
+        num_layers: 8,
+        num_heads: 8,
+        num_kv_heads: 4,
+        intermediate_size: 1376,
+        vocab_size: 4096,
+        max_positions: 1024,
+        seed: 7,
+    };
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("random-llama");
+    write_random_checkpoint(&dir, &spec)?;
+    let model = dir.to_string_lossy().into_owned();
+
+    let ck = Checkpoint::open(&dir)?;
+    let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
+    let whole = [BlockSpan::load(
+        &ck,
+        0,
+        spec.num_layers,
+        DType::F32,
+        &Device::Cpu,
+    )?];
+    let prompt: Vec<u32> = (0..16).map(|i| 1 + (i * 37) % 4000).collect();
+    let request = GenerateRequest {
+        prompt_ids: prompt,
+        max_new_tokens: new_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_at_eos: false,
+    };
+
+    let per = spec.num_layers / servers_n;
+    let first = start(&model, format!("0:{per}"), None).await;
+    let bootstrap = first.tcp_addr().expect("tcp").to_string();
+    let mut servers = vec![first];
+    for k in 1..servers_n {
+        servers.push(
+            start(
+                &model,
+                format!("{}:{}", k * per, (k + 1) * per),
+                Some(bootstrap.clone()),
+            )
+            .await,
+        );
+    }
+    let node = connect(&[bootstrap.parse()?]).await?;
+    let name = servers[0].model().to_string();
+    let mut records = Vec::new();
+    for _ in 0..100 {
+        records = node.discover(&name, Duration::from_secs(5)).await?;
+        if records.len() == servers_n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let route = plan_route(&records, spec.num_layers)?;
+    let settings = SessionSettings {
+        model: name,
+        fingerprint: fingerprint(&ck)?,
+        max_length: request.max_length(),
+        dtype: WireDType::F32,
+        timeout: Duration::from_secs(60),
+    };
+
+    let (mut local_tps, mut swarm_tps) = (Vec::new(), Vec::new());
+    for round in 0..rounds + 1 {
+        let mut chain = LocalChain::new(&whole, request.max_length())?;
+        let local = generate(&head, &mut chain, &request, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await?;
+        let mut chain = RemoteChain::open(&node, &route, &settings, &Device::Cpu).await?;
+        let swarm = generate(&head, &mut chain, &request, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await?;
+        chain.close().await;
+        assert_eq!(
+            local.generated_ids, swarm.generated_ids,
+            "swarm and local tokens differ"
+        );
+        if round == 0 {
+            continue; // warm-up
+        }
+        local_tps.push(local.tokens_per_second());
+        swarm_tps.push(swarm.tokens_per_second());
+        eprintln!(
+            "round {round}: local {:.1} tok/s, swarm {:.1} tok/s",
+            local.tokens_per_second(),
+            swarm.tokens_per_second()
+        );
+    }
+    let (local, swarm) = (median(local_tps), median(swarm_tps));
+    let ratio = swarm / local;
+    let per_hop_us = (1.0 / swarm - 1.0 / local) / servers_n as f64 * 1e6;
+    let report = format!(
+        "## Swarm vs local (`corolla-bench`)\n\n\
+         Command: `bash scripts/bench.sh` (runs `corolla-bench --rounds {rounds} --new-tokens {new_tokens}`)\n\n\
+         Random Llama: hidden {}, {} layers, {} heads, {} KV heads, FFN {}, vocab {}, f32, CPU. \
+         Greedy generation of {new_tokens} tokens after a 16-token prompt; {servers_n} servers of {per} layers each \
+         on loopback, in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n\
+         | run | tokens/s |\n|---|---|\n| local (one process) | {local:.1} |\n| swarm ({servers_n} servers) | {swarm:.1} |\n\n\
+         - ratio swarm / local: **{ratio:.3}** (target >= 0.9)\n\
+         - added latency per hop: **{per_hop_us:.0} µs** per token\n",
+        spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size
+    );
+    println!("{report}");
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(path) = args
+        .iter()
+        .position(|a| a == "--write")
+        .and_then(|i| args.get(i + 1))
+    {
+        std::fs::write(path, format!("# Benchmarks\n\nLatest figures; ratios matter, absolute numbers vary with machine load.\n\n{report}"))?;
+    }
+    drop(servers);
+    Ok(())
+}
