@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use corolla_model::convert::{convert, ConvertProgress};
-use corolla_model::fingerprint::{default_model_name, fingerprint};
+use corolla_model::fingerprint::{block_hashes, default_model_name};
 use corolla_model::wire::wire_dtype;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, Device, ModelDType, SamplingParams};
 use corolla_shared::node::NodeHandle;
@@ -21,7 +21,9 @@ use serde::Serialize;
 use crate::generate::{generate, GenerateRequest};
 use crate::local::LocalChain;
 use crate::network::connect;
-use crate::route::{plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings};
+use crate::route::{
+    matching_servers, plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings,
+};
 use crate::text::{TextStream, TextTokenizer};
 
 #[derive(Parser, Debug)]
@@ -248,19 +250,20 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 .clone()
                 .unwrap_or_else(|| default_model_name(&checkpoint));
             let node = connect(&args.swarm.initial_peers).await?;
-            let fp = fingerprint(&checkpoint)?;
+            let num_layers = checkpoint.config().num_hidden_layers;
+            let expected = block_hashes(&checkpoint, 0, num_layers).ok();
             let records = find_route_records(
                 &node,
                 &model,
-                &fp,
-                checkpoint.config().num_hidden_layers,
+                expected.as_deref(),
+                num_layers,
                 args.swarm.discovery_timeout,
             )
             .await?;
-            let route = plan_route(&records, checkpoint.config().num_hidden_layers)?;
+            let route = plan_route(&records, num_layers)?;
             let settings = SessionSettings {
                 model,
-                fingerprint: fp,
+                expected_blocks: expected,
                 max_length: request.max_length().max(1),
                 dtype: wire_dtype(dtype)?,
                 timeout: args.swarm.step_timeout,
@@ -302,28 +305,21 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
 }
 
 /// Looks the model up until its servers cover every block or `timeout`
-/// passes; keeps only servers holding the same weights as `fingerprint`.
+/// passes; keeps only servers holding the blocks the client expects.
 async fn find_route_records(
     node: &NodeHandle,
     model: &str,
-    fingerprint: &str,
+    expected: Option<&[String]>,
     num_layers: usize,
     timeout: Duration,
 ) -> Result<Vec<ServerRecord>> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let mut records = node
+        let found = node
             .discover(model, Duration::from_secs(5))
             .await
             .unwrap_or_default();
-        let before = records.len();
-        records.retain(|r| r.fingerprint == fingerprint);
-        if records.len() < before {
-            tracing::warn!(
-                skipped = before - records.len(),
-                "ignoring servers with other weights under the same name"
-            );
-        }
+        let records = matching_servers(found, expected);
         if uncovered_blocks(&records, num_layers).is_empty()
             || tokio::time::Instant::now() >= deadline
         {

@@ -20,5 +20,7 @@ pub mod network;
 pub use error::ClientError;
 pub use generate::{generate, BlockChain, GenerateOutput, GenerateRequest, StopReason};
 pub use local::LocalChain;
-pub use route::{plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings};
+pub use route::{
+    matching_servers, plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings,
+};
 pub use text::{TextStream, TextTokenizer};

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{Device, Tensor};
 use corolla_shared::node::NodeHandle;
@@ -76,11 +77,34 @@ pub fn plan_route(records: &[ServerRecord], num_layers: usize) -> Result<Vec<Hop
     Ok(route)
 }
 
+/// Keeps the servers whose block hashes are those of the model the client
+/// expects (`expected[i]` for block `i`); with no expectation, keeps all.
+pub fn matching_servers(
+    records: Vec<ServerRecord>,
+    expected: Option<&[String]>,
+) -> Vec<ServerRecord> {
+    let Some(expected) = expected else {
+        return records;
+    };
+    records
+        .into_iter()
+        .filter(|r| {
+            let ours = expected.get(r.start as usize..r.end as usize);
+            let same = ours.is_some_and(|ours| ours == r.block_hashes.as_slice());
+            if !same {
+                tracing::warn!(peer = %r.peer_id, "ignoring a server with other weights under the same name");
+            }
+            same
+        })
+        .collect()
+}
+
 /// Settings of the sessions a client opens.
 #[derive(Debug, Clone)]
 pub struct SessionSettings {
     pub model: String,
-    pub fingerprint: String,
+    /// Hashes of every block of the model the client expects, when it knows them.
+    pub expected_blocks: Option<Vec<String>>,
     pub max_length: usize,
     pub dtype: WireDType,
     pub timeout: Duration,
@@ -109,7 +133,12 @@ impl RemoteChain {
                 .map_err(|_| ClientError::Network(format!("bad peer id {}", hop.peer_id)))?;
             let request = OpenRequest {
                 model: settings.model.clone(),
-                fingerprint: settings.fingerprint.clone(),
+                fingerprint: settings
+                    .expected_blocks
+                    .as_ref()
+                    .and_then(|h| h.get(hop.start..hop.end))
+                    .map(span_hash)
+                    .unwrap_or_default(),
                 start: hop.start as u32,
                 end: hop.end as u32,
                 max_length: settings.max_length as u32,
@@ -151,6 +180,7 @@ mod tests {
             peer_id: peer.into(),
             model: "m".into(),
             fingerprint: String::new(),
+            block_hashes: (start..end).map(|i| format!("h{i}")).collect(),
             start,
             end,
             num_layers: 8,
@@ -191,6 +221,20 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn servers_with_other_weights_are_left_out() {
+        let mut other = record("x", 0, 4);
+        other.block_hashes[2] = "different".into();
+        let records = vec![record("a", 0, 4), other, record("b", 4, 8)];
+        let expected: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
+        let kept: Vec<String> = matching_servers(records.clone(), Some(&expected))
+            .into_iter()
+            .map(|r| r.peer_id)
+            .collect();
+        assert_eq!(kept, ["a", "b"]);
+        assert_eq!(matching_servers(records, None).len(), 3);
     }
 
     #[test]

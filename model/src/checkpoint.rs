@@ -46,6 +46,9 @@ pub struct CorollaIndex {
     /// The source model's default name in the DHT.
     #[serde(default)]
     pub model_name: Option<String>,
+    /// Per-block hashes of the source (see [`crate::fingerprint`]).
+    #[serde(default)]
+    pub block_hashes: Option<Vec<String>>,
 }
 
 impl CorollaIndex {
@@ -203,6 +206,20 @@ impl Checkpoint {
         self.weight_map.keys().map(String::as_str)
     }
 
+    /// The weight files holding the tensors of layers `[start, end)`.
+    pub fn files_for_layers(&self, start: usize, end: usize) -> std::collections::BTreeSet<String> {
+        self.weight_map
+            .iter()
+            .filter(|(name, _)| {
+                name.strip_prefix("model.layers.")
+                    .and_then(|rest| rest.split('.').next())
+                    .and_then(|i| i.parse::<usize>().ok())
+                    .is_some_and(|i| (start..end).contains(&i))
+            })
+            .map(|(_, file)| file.clone())
+            .collect()
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.weight_map.contains_key(name)
     }
@@ -282,7 +299,7 @@ impl Checkpoint {
         }
     }
 
-    pub(crate) fn check_layer_range(&self, start: usize, end: usize) -> Result<()> {
+    pub fn check_layer_range(&self, start: usize, end: usize) -> Result<()> {
         let num_layers = self.config.num_hidden_layers;
         if start >= end || end > num_layers {
             return Err(ModelError::LayerRange {

@@ -7,6 +7,7 @@
 //! [`Server::start`].
 
 pub mod config;
+mod hub;
 mod identity;
 mod measure;
 mod server;

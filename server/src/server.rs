@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use corolla_model::fingerprint::{default_model_name, fingerprint};
+use corolla_model::fingerprint::{block_hashes, default_model_name, fingerprint};
 use corolla_model::{BlockSpan, Checkpoint, Device, ModelError};
 use corolla_shared::node::{Announcement, Node, NodeEvent, NodeHandle};
 use corolla_shared::protocol::{INFERENCE_PROTOCOL, INFO_PROTOCOL};
@@ -20,6 +20,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use crate::config::{DeviceArg, ServerArgs};
+use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
 use crate::measure::measure;
 use crate::session::{serve, SessionContext};
@@ -174,25 +175,20 @@ impl Server {
             DeviceArg::Cpu => Device::Cpu,
             DeviceArg::Cuda => cuda_device()?,
         };
-        if !args.model.is_dir() {
-            return Err(ServerError::Config(format!(
-                "model folder {} does not exist",
-                args.model.display()
-            )));
-        }
-        let checkpoint = Arc::new(Checkpoint::open(&args.model)?);
+        let source = {
+            let model = args.model.clone();
+            tokio::task::spawn_blocking(move || ModelSource::resolve(&model))
+                .await
+                .map_err(|e| ServerError::Config(e.to_string()))??
+        };
+        let checkpoint = Arc::new(Checkpoint::open(source.dir())?);
         let config = checkpoint.config().clone();
         let num_layers = config.num_hidden_layers;
         let model = args
             .model_name
             .clone()
+            .or_else(|| source.default_name(&checkpoint))
             .unwrap_or_else(|| default_model_name(&checkpoint));
-        let fp = {
-            let ck = checkpoint.clone();
-            tokio::task::spawn_blocking(move || fingerprint(&ck))
-                .await
-                .map_err(|e| ServerError::Config(e.to_string()))??
-        };
 
         let keypair = load_or_create_keypair(args.identity.as_deref())?;
         let certificate = load_or_create_certificate(args.identity.as_deref())?;
@@ -326,13 +322,18 @@ impl Server {
             .into());
         }
         tracing::info!(%model, start, end, "loading blocks");
-        let (span, throughput) = {
+        let (span, throughput, fp, hashes) = {
             let ck = checkpoint.clone();
             let dtype = args.dtype.resolve(&config, &device);
             tokio::task::spawn_blocking(move || {
+                source.fetch(ck.files_for_layers(start, end))?;
+                let hashes = block_hashes(&ck, start, end)?;
+                // Known when the index carries it or every weight is at hand;
+                // a server that downloaded only its blocks announces none.
+                let fp = fingerprint(&ck).unwrap_or_default();
                 let span = BlockSpan::load(&ck, start, end, dtype, &device)?;
                 let throughput = measure(&span)?;
-                Ok::<_, ModelError>((span, throughput))
+                Ok::<_, ServerError>((span, throughput, fp, hashes))
             })
             .await
             .map_err(|e| ServerError::Config(e.to_string()))??
@@ -346,7 +347,8 @@ impl Server {
         let record = ServerRecord {
             peer_id: peer_id.to_string(),
             model: model.clone(),
-            fingerprint: fp.clone(),
+            fingerprint: fp,
+            block_hashes: hashes.clone(),
             start: start as u32,
             end: end as u32,
             num_layers: num_layers as u32,
@@ -364,7 +366,7 @@ impl Server {
         let ctx = Arc::new(SessionContext {
             span: Arc::new(span),
             model: model.clone(),
-            fingerprint: fp,
+            block_hashes: hashes,
             limits: Limits::DEFAULT,
             max_length: args.inference_max_length,
             max_sessions: args.max_sessions,

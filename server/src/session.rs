@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
 use corolla_model::{BlockSpan, SessionCache};
 use corolla_shared::framing::{read_frame, write_frame};
@@ -18,7 +19,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub(crate) struct SessionContext {
     pub span: Arc<BlockSpan>,
     pub model: String,
-    pub fingerprint: String,
+    /// Hashes of the span's blocks, in order.
+    pub block_hashes: Vec<String>,
     pub limits: Limits,
     pub max_length: usize,
     pub max_sessions: usize,
@@ -143,15 +145,6 @@ fn open_session(ctx: &SessionContext, open: &OpenRequest) -> Result<Session, (Er
             ),
         ));
     }
-    if !open.fingerprint.is_empty() && open.fingerprint != ctx.fingerprint {
-        return Err((
-            ErrorCode::WrongModel,
-            format!(
-                "this server holds other weights (fingerprint {}, not {})",
-                ctx.fingerprint, open.fingerprint
-            ),
-        ));
-    }
     let served = ctx.span.range();
     let (start, end) = (open.start as usize, open.end as usize);
     if start >= end || start < served.start || end > served.end {
@@ -162,6 +155,18 @@ fn open_session(ctx: &SessionContext, open: &OpenRequest) -> Result<Session, (Er
                 served.start, served.end
             ),
         ));
+    }
+    if !open.fingerprint.is_empty() {
+        let ours = span_hash(&ctx.block_hashes[start - served.start..end - served.start]);
+        if open.fingerprint != ours {
+            return Err((
+                ErrorCode::WrongModel,
+                format!(
+                    "this server holds other weights for blocks {start}..{end} (hash {ours}, not {})",
+                    open.fingerprint
+                ),
+            ));
+        }
     }
     let max_length = open.max_length as usize;
     if max_length == 0 || max_length > ctx.max_length {

@@ -37,7 +37,8 @@ pub fn model_dht_key(model: &str) -> libp2p::kad::RecordKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenRequest {
     pub model: String,
-    /// The client's fingerprint of the model; empty when it has none.
+    /// `span_hash` of the requested blocks' hashes, as the client expects
+    /// them; empty when it does not know them.
     pub fingerprint: String,
     pub start: u32,
     pub end: u32,

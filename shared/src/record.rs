@@ -10,9 +10,13 @@ pub struct ServerRecord {
     pub peer_id: String,
     /// The model's name in the DHT.
     pub model: String,
-    /// Hash of the model's config and weights; servers and clients chain
-    /// only records with equal fingerprints.
+    /// Hash of the whole model's config and weights, when this server can
+    /// know it (empty otherwise).
     pub fingerprint: String,
+    /// Hashes of the blocks this server holds, `start..end` in order; a
+    /// client chains only servers whose hashes match the model it expects.
+    #[serde(default)]
+    pub block_hashes: Vec<String>,
     pub start: u32,
     pub end: u32,
     pub num_layers: u32,

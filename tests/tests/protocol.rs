@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use corolla_client::network::connect;
 use corolla_client::{generate, plan_route, GenerateRequest, RemoteChain, SessionSettings};
-use corolla_model::fingerprint::fingerprint;
+use corolla_model::fingerprint::{block_hashes, span_hash};
 use corolla_model::{Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::{RunningServer, Server, ServerArgs};
 use corolla_shared::framing::{read_frame, write_frame};
@@ -94,13 +94,14 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         .await
         .unwrap();
     let model = server.model().to_string();
-    let fp = fingerprint(&Checkpoint::open(tiny_llama()).unwrap()).unwrap();
+    let hashes = block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 0, 4).unwrap();
+    let fp = span_hash(&hashes);
 
     // The healthy session, generating alongside every bad request.
     let healthy = {
         let node = node.clone();
         let model = model.clone();
-        let fp = fp.clone();
+        let hashes = hashes.clone();
         let peer = server.peer_id();
         tokio::spawn(async move {
             let ck = Checkpoint::open(tiny_llama()).unwrap();
@@ -127,7 +128,7 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
             };
             let settings = SessionSettings {
                 model,
-                fingerprint: fp,
+                expected_blocks: Some(hashes),
                 max_length: request.max_length(),
                 dtype: WireDType::F32,
                 timeout: Duration::from_secs(60),
@@ -306,7 +307,15 @@ async fn info_reports_the_server_and_sessions_free_their_caches() {
     assert_eq!((record.sessions, record.cache_tokens_left), (0, 64));
     assert_eq!(record.version, env!("CARGO_PKG_VERSION"));
 
-    let fp = record.fingerprint.clone();
+    assert_eq!(
+        record.block_hashes,
+        block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 1, 3).unwrap()
+    );
+    assert_eq!(
+        record.fingerprint,
+        corolla_model::fingerprint::fingerprint(&Checkpoint::open(tiny_llama()).unwrap()).unwrap()
+    );
+    let fp = span_hash(&record.block_hashes);
     let model = record.model.clone();
     let open_session = || {
         let mut control = control.clone();

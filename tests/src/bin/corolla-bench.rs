@@ -10,7 +10,7 @@ use corolla_client::network::connect;
 use corolla_client::{
     generate, plan_route, GenerateRequest, LocalChain, RemoteChain, SessionSettings,
 };
-use corolla_model::fingerprint::fingerprint;
+use corolla_model::fingerprint::block_hashes;
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::{RunningServer, Server, ServerArgs};
@@ -122,7 +122,7 @@ async fn main() -> anyhow::Result<()> {
     let route = plan_route(&records, spec.num_layers)?;
     let settings = SessionSettings {
         model: name,
-        fingerprint: fingerprint(&ck)?,
+        expected_blocks: Some(block_hashes(&ck, 0, spec.num_layers)?),
         max_length: request.max_length(),
         dtype: WireDType::F32,
         timeout: Duration::from_secs(60),
