@@ -514,3 +514,26 @@ pub fn run_cli() -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::choose_blocks;
+    use corolla_shared::ServerRecord;
+
+    fn record(start: u32, end: u32) -> ServerRecord {
+        let json = format!(
+            r#"{{"peer_id":"p","model":"m","fingerprint":"","start":{start},"end":{end},"num_layers":8,
+            "hidden_size":8,"throughput":1.0,"prefill_throughput":1.0,"cache_tokens_left":1,"max_length":1,
+            "sessions":0,"max_sessions":1,"dtype":"f32","version":"0","addresses":[]}}"#
+        );
+        ServerRecord::from_bytes(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn new_servers_fill_the_thinnest_blocks() {
+        assert_eq!(choose_blocks(8, 3, &[]), (0, 3));
+        assert_eq!(choose_blocks(8, 3, &[record(0, 4)]), (4, 7));
+        assert_eq!(choose_blocks(8, 2, &[record(0, 4), record(4, 6)]), (6, 8));
+        assert_eq!(choose_blocks(8, 20, &[]), (0, 8));
+    }
+}
