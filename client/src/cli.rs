@@ -12,7 +12,6 @@ use corolla_model::convert::{convert, ConvertProgress};
 use corolla_model::fingerprint::{block_hashes, default_model_name};
 use corolla_model::wire::wire_dtype;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, Device, ModelDType, SamplingParams};
-use corolla_shared::node::NodeHandle;
 use corolla_shared::ServerRecord;
 use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
@@ -21,9 +20,7 @@ use serde::Serialize;
 use crate::generate::{generate, GenerateRequest};
 use crate::local::LocalChain;
 use crate::network::connect;
-use crate::route::{
-    matching_servers, plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings,
-};
+use crate::route::{uncovered_blocks, Hop, Recovery, RemoteChain, SessionSettings};
 use crate::text::{TextStream, TextTokenizer};
 
 #[derive(Parser, Debug)]
@@ -61,6 +58,15 @@ struct SwarmArgs {
     /// How long to wait for a server's answer to one step.
     #[arg(long, default_value = "60", value_parser = parse_seconds)]
     step_timeout: Duration,
+    /// Server failures survived in one generation before giving up.
+    #[arg(long, default_value_t = 8)]
+    max_retries: usize,
+    /// Use only these servers (peer ids).
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    allowed_servers: Vec<String>,
+    /// Never use these servers (peer ids).
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    blocked_servers: Vec<String>,
 }
 
 fn parse_seconds(s: &str) -> Result<Duration, String> {
@@ -200,6 +206,8 @@ struct GenerateJson<'a> {
     dtype: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     route: Option<&'a [Hop]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recoveries: Option<&'a [Recovery]>,
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
@@ -251,27 +259,25 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 .unwrap_or_else(|| default_model_name(&checkpoint));
             let node = connect(&args.swarm.initial_peers).await?;
             let num_layers = checkpoint.config().num_hidden_layers;
-            let expected = block_hashes(&checkpoint, 0, num_layers).ok();
-            let records = find_route_records(
-                &node,
-                &model,
-                expected.as_deref(),
-                num_layers,
-                args.swarm.discovery_timeout,
-            )
-            .await?;
-            let route = plan_route(&records, num_layers)?;
-            let settings = SessionSettings {
+            let mut settings = SessionSettings::new(
                 model,
-                expected_blocks: expected,
-                max_length: request.max_length().max(1),
-                dtype: wire_dtype(dtype)?,
-                timeout: args.swarm.step_timeout,
-            };
-            let mut chain = RemoteChain::open(&node, &route, &settings, &device).await?;
+                num_layers,
+                request.max_length().max(1),
+                wire_dtype(dtype)?,
+            );
+            settings.expected_blocks = block_hashes(&checkpoint, 0, num_layers).ok();
+            settings.timeout = args.swarm.step_timeout;
+            settings.discovery_timeout = args.swarm.discovery_timeout;
+            settings.max_retries = args.swarm.max_retries;
+            settings.allowed_servers = (!args.swarm.allowed_servers.is_empty())
+                .then(|| args.swarm.allowed_servers.iter().cloned().collect());
+            settings.blocked_servers = args.swarm.blocked_servers.iter().cloned().collect();
+            let mut chain = RemoteChain::connect(&node, settings, &device).await?;
+            let route = chain.route();
             let output = generate(&head, &mut chain, &request, on_token).await;
+            let recoveries = chain.recoveries().to_vec();
             chain.close().await;
-            Ok((output?, Some(route)))
+            Ok((output?, Some((route, recoveries))))
         }
     })?;
     if let Some(e) = print_error {
@@ -289,7 +295,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             total_seconds: output.total_time.as_secs_f64(),
             stop_reason: output.stop_reason,
             dtype: format!("{dtype:?}").to_lowercase(),
-            route: route.as_deref(),
+            route: route.as_ref().map(|(r, _)| r.as_slice()),
+            recoveries: route.as_ref().map(|(_, r)| r.as_slice()),
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {
@@ -302,31 +309,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Looks the model up until its servers cover every block or `timeout`
-/// passes; keeps only servers holding the blocks the client expects.
-async fn find_route_records(
-    node: &NodeHandle,
-    model: &str,
-    expected: Option<&[String]>,
-    num_layers: usize,
-    timeout: Duration,
-) -> Result<Vec<ServerRecord>> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let found = node
-            .discover(model, Duration::from_secs(5))
-            .await
-            .unwrap_or_default();
-        let records = matching_servers(found, expected);
-        if uncovered_blocks(&records, num_layers).is_empty()
-            || tokio::time::Instant::now() >= deadline
-        {
-            return Ok(records);
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
 }
 
 #[derive(Serialize)]

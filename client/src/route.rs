@@ -1,5 +1,6 @@
 //! Choosing servers to cover every block, and running a session through them.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
@@ -7,10 +8,11 @@ use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{Device, Tensor};
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::OpenRequest;
-use corolla_shared::session::RemoteSession;
-use corolla_shared::{ServerRecord, WireDType};
+use corolla_shared::session::{fetch_info, RemoteSession, SessionError};
+use corolla_shared::{ServerRecord, TensorPayload, WireDType};
 use libp2p::PeerId;
 use serde::Serialize;
+use web_time::Instant;
 
 use crate::error::ClientError;
 use crate::generate::BlockChain;
@@ -51,29 +53,112 @@ pub fn uncovered_blocks(records: &[ServerRecord], num_layers: usize) -> Vec<(usi
     gaps
 }
 
-/// The fewest hops covering `0..num_layers`: from each boundary, the server
-/// reaching farthest (ties broken by peer id, so the choice is stable).
-pub fn plan_route(records: &[ServerRecord], num_layers: usize) -> Result<Vec<Hop>, ClientError> {
-    let mut route = Vec::new();
-    let mut position = 0;
-    while position < num_layers {
-        let best = records
-            .iter()
-            .filter(|r| (r.start as usize) <= position && (r.end as usize) > position)
-            .max_by(|a, b| a.end.cmp(&b.end).then_with(|| b.peer_id.cmp(&a.peer_id)));
-        let Some(r) = best else {
-            return Err(ClientError::NoRoute {
-                uncovered: uncovered_blocks(records, num_layers),
-            });
-        };
-        let end = (r.end as usize).min(num_layers);
-        route.push(Hop {
-            peer_id: r.peer_id.clone(),
-            start: position,
-            end,
-        });
-        position = end;
+/// What the router knows beyond the records: measured round trips and the
+/// session length a server must have room for.
+#[derive(Debug, Clone, Default)]
+pub struct RouteCosts {
+    /// Moving average of round-trip times, in seconds, by peer id.
+    pub rtt: HashMap<String, f64>,
+    /// Tokens of cache a session needs; servers with less are penalised.
+    pub max_length: usize,
+}
+
+/// Assumed round trip for a server not measured yet.
+const DEFAULT_RTT: f64 = 0.005;
+/// Added to a server's cost when it lacks cache for the session.
+const SHORT_OF_CACHE_PENALTY: f64 = 1.0;
+const RTT_WEIGHT_OF_NEW_SAMPLE: f64 = 0.3;
+
+impl RouteCosts {
+    pub fn record_rtt(&mut self, peer: &str, seconds: f64) {
+        let avg = self.rtt.entry(peer.to_string()).or_insert(seconds);
+        *avg += RTT_WEIGHT_OF_NEW_SAMPLE * (seconds - *avg);
     }
+
+    /// Expected seconds per step for running blocks `start..end` on `r`.
+    fn hop_cost(&self, r: &ServerRecord, start: usize, end: usize) -> f64 {
+        let rtt = self.rtt.get(&r.peer_id).copied().unwrap_or(DEFAULT_RTT);
+        let span = (r.end - r.start).max(1) as f64;
+        let compute = (end - start) as f64 / (r.throughput.max(1e-9) * span);
+        let penalty = if (r.cache_tokens_left as usize) < self.max_length {
+            SHORT_OF_CACHE_PENALTY
+        } else {
+            0.0
+        };
+        rtt + compute + penalty
+    }
+}
+
+/// The fewest hops covering `0..num_layers`, costs unknown.
+pub fn plan_route(records: &[ServerRecord], num_layers: usize) -> Result<Vec<Hop>, ClientError> {
+    plan_route_between(records, 0, num_layers, &RouteCosts::default())
+}
+
+/// The chain of servers covering blocks `from..to` with the least expected
+/// time per step: a shortest path over block boundaries, where using server
+/// `r` for blocks `s..e` costs its round trip plus `(e - s)` blocks at its
+/// announced speed, plus a penalty when it lacks cache. Replicas of a span
+/// are alternative edges. Ties go to fewer hops, then to lower peer ids, so
+/// the choice is stable.
+pub fn plan_route_between(
+    records: &[ServerRecord],
+    from: usize,
+    to: usize,
+    costs: &RouteCosts,
+) -> Result<Vec<Hop>, ClientError> {
+    if from >= to {
+        return Ok(Vec::new());
+    }
+    // best[b - from]: (cost, hops, previous boundary, record index) to reach boundary b.
+    let mut best: Vec<Option<(f64, usize, usize, usize)>> = vec![None; to - from + 1];
+    best[0] = Some((0.0, 0, from, usize::MAX));
+    for s in from..to {
+        let Some((cost_here, hops_here, _, _)) = best[s - from] else {
+            continue;
+        };
+        for (i, r) in records.iter().enumerate() {
+            let (r_start, r_end) = (r.start as usize, (r.end as usize).min(to));
+            if r_start > s || r_end <= s {
+                continue;
+            }
+            for e in s + 1..=r_end {
+                let candidate = (cost_here + costs.hop_cost(r, s, e), hops_here + 1, s, i);
+                let slot = &mut best[e - from];
+                let better = match slot {
+                    None => true,
+                    Some((c, h, _, j)) => {
+                        (candidate.0, candidate.1, &records[i].peer_id)
+                            < (*c, *h, &records[*j].peer_id)
+                    }
+                };
+                if better {
+                    *slot = Some(candidate);
+                }
+            }
+        }
+    }
+    if best[to - from].is_none() {
+        let mut uncovered = uncovered_blocks(records, to);
+        uncovered.retain(|&(_, b)| b > from);
+        for gap in &mut uncovered {
+            gap.0 = gap.0.max(from);
+        }
+        return Err(ClientError::NoRoute { uncovered });
+    }
+    let mut route = Vec::new();
+    let mut b = to;
+    while b > from {
+        let Some((_, _, prev, i)) = best[b - from] else {
+            break;
+        };
+        route.push(Hop {
+            peer_id: records[i].peer_id.clone(),
+            start: prev,
+            end: b,
+        });
+        b = prev;
+    }
+    route.reverse();
     Ok(route)
 }
 
@@ -105,68 +190,350 @@ pub struct SessionSettings {
     pub model: String,
     /// Hashes of every block of the model the client expects, when it knows them.
     pub expected_blocks: Option<Vec<String>>,
+    pub num_layers: usize,
     pub max_length: usize,
     pub dtype: WireDType,
+    /// How long one step may take before the server counts as failed.
     pub timeout: Duration,
+    /// How long to look for servers covering the blocks needed.
+    pub discovery_timeout: Duration,
+    /// Failures survived in one session before giving up.
+    pub max_retries: usize,
+    /// When set, only these peer ids are used.
+    pub allowed_servers: Option<HashSet<String>>,
+    /// Peer ids never used.
+    pub blocked_servers: HashSet<String>,
 }
 
-/// A block chain whose spans run on remote servers, one session each.
-pub struct RemoteChain {
-    sessions: Vec<RemoteSession>,
-    dtype: WireDType,
-    device: Device,
+impl SessionSettings {
+    pub fn new(
+        model: impl Into<String>,
+        num_layers: usize,
+        max_length: usize,
+        dtype: WireDType,
+    ) -> Self {
+        SessionSettings {
+            model: model.into(),
+            expected_blocks: None,
+            num_layers,
+            max_length,
+            dtype,
+            timeout: Duration::from_secs(60),
+            discovery_timeout: Duration::from_secs(30),
+            max_retries: 8,
+            allowed_servers: None,
+            blocked_servers: HashSet::new(),
+        }
+    }
+
+    fn admits(&self, peer: &str) -> bool {
+        !self.blocked_servers.contains(peer)
+            && self
+                .allowed_servers
+                .as_ref()
+                .is_none_or(|a| a.contains(peer))
+    }
 }
+
+/// One failure the chain survived.
+#[derive(Debug, Clone, Serialize)]
+pub struct Recovery {
+    /// The forward call that failed: 0 is the prompt's prefill.
+    pub step: usize,
+    /// The first position of that call.
+    pub position: usize,
+    pub failed_peer: String,
+    pub error: String,
+    /// The blocks whose servers were replaced.
+    pub start: usize,
+    pub end: usize,
+    pub replacement: Vec<Hop>,
+    /// From the failure until the replacement had caught up.
+    pub seconds: f64,
+}
+
+/// One hop of the original route: blocks `start..end`, served now by one
+/// or more sessions, with every input it was sent, for replay.
+struct HopState {
+    start: usize,
+    end: usize,
+    sessions: Vec<(Hop, RemoteSession)>,
+    history: Vec<(u32, TensorPayload)>,
+}
+
+async fn run_sessions(
+    sessions: &mut [(Hop, RemoteSession)],
+    start: u32,
+    input: &TensorPayload,
+) -> Result<TensorPayload, SessionError> {
+    let mut rest = sessions.iter_mut();
+    let Some((_, first)) = rest.next() else {
+        return Ok(input.clone());
+    };
+    let mut x = first.step(start, input).await?;
+    for (_, s) in rest {
+        x = s.step(start, &x).await?;
+    }
+    Ok(x)
+}
+
+/// A block chain whose spans run on remote servers. When a server fails
+/// (error, closed stream, timeout), the chain bans it, finds a replacement
+/// route for exactly its blocks, replays every input those blocks were sent
+/// to rebuild the caches, and goes on; the outputs are the same as without
+/// the failure.
+pub struct RemoteChain {
+    node: NodeHandle,
+    settings: SessionSettings,
+    device: Device,
+    hops: Vec<HopState>,
+    costs: RouteCosts,
+    /// Peer id -> (failures, banned until).
+    bans: HashMap<String, (u32, Instant)>,
+    recoveries: Vec<Recovery>,
+    steps: usize,
+}
+
+const BAN_BASE: Duration = Duration::from_secs(2);
+const BAN_MAX: Duration = Duration::from_secs(300);
+/// Candidates whose round trip is measured before routing.
+const MAX_PINGED: usize = 16;
 
 impl RemoteChain {
-    pub async fn open(
+    /// Finds servers for every block and opens a session on each.
+    pub async fn connect(
         node: &NodeHandle,
-        route: &[Hop],
-        settings: &SessionSettings,
+        settings: SessionSettings,
         device: &Device,
     ) -> Result<Self, ClientError> {
-        let mut control = node.control();
-        let mut sessions = Vec::with_capacity(route.len());
-        for hop in route {
-            let peer: PeerId = hop
-                .peer_id
-                .parse()
-                .map_err(|_| ClientError::Network(format!("bad peer id {}", hop.peer_id)))?;
-            let request = OpenRequest {
-                model: settings.model.clone(),
-                fingerprint: settings
-                    .expected_blocks
-                    .as_ref()
-                    .and_then(|h| h.get(hop.start..hop.end))
-                    .map(span_hash)
-                    .unwrap_or_default(),
-                start: hop.start as u32,
-                end: hop.end as u32,
-                max_length: settings.max_length as u32,
-                dtype: settings.dtype,
-            };
-            sessions
-                .push(RemoteSession::open(&mut control, peer, request, settings.timeout).await?);
-        }
-        Ok(RemoteChain {
-            sessions,
-            dtype: settings.dtype,
+        let mut chain = RemoteChain {
+            node: node.clone(),
+            costs: RouteCosts {
+                max_length: settings.max_length,
+                ..RouteCosts::default()
+            },
+            settings,
             device: device.clone(),
-        })
+            hops: Vec::new(),
+            bans: HashMap::new(),
+            recoveries: Vec::new(),
+            steps: 0,
+        };
+        let route = chain.find_route(0, chain.settings.num_layers).await?;
+        for hop in route {
+            let sessions = vec![(hop.clone(), chain.open(&hop).await?)];
+            chain.hops.push(HopState {
+                start: hop.start,
+                end: hop.end,
+                sessions,
+                history: Vec::new(),
+            });
+        }
+        Ok(chain)
+    }
+
+    /// The servers in use now, in order.
+    pub fn route(&self) -> Vec<Hop> {
+        self.hops
+            .iter()
+            .flat_map(|h| h.sessions.iter().map(|(hop, _)| hop.clone()))
+            .collect()
+    }
+
+    pub fn recoveries(&self) -> &[Recovery] {
+        &self.recoveries
     }
 
     pub async fn close(self) {
-        for s in self.sessions {
-            s.close().await;
+        for hop in self.hops {
+            for (_, s) in hop.sessions {
+                s.close().await;
+            }
         }
+    }
+
+    fn banned(&self, peer: &str) -> bool {
+        self.bans
+            .get(peer)
+            .is_some_and(|(_, until)| Instant::now() < *until)
+    }
+
+    fn ban(&mut self, peer: &str) {
+        let entry = self
+            .bans
+            .entry(peer.to_string())
+            .or_insert((0, Instant::now()));
+        entry.0 += 1;
+        let backoff = BAN_BASE.saturating_mul(1 << entry.0.min(8)).min(BAN_MAX);
+        entry.1 = Instant::now() + backoff;
+    }
+
+    /// Looks the model up until servers cover `from..to` (or the discovery
+    /// time is up) and picks the fastest chain among them.
+    async fn find_route(&mut self, from: usize, to: usize) -> Result<Vec<Hop>, ClientError> {
+        let deadline = Instant::now() + self.settings.discovery_timeout;
+        loop {
+            let found = self
+                .node
+                .discover(&self.settings.model, Duration::from_secs(5))
+                .await
+                .unwrap_or_default();
+            let mut records = matching_servers(found, self.settings.expected_blocks.as_deref());
+            records.retain(|r| self.settings.admits(&r.peer_id) && !self.banned(&r.peer_id));
+            self.measure_rtts(&records).await;
+            match plan_route_between(&records, from, to, &self.costs) {
+                Ok(route) => return Ok(route),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => corolla_shared::node::sleep(Duration::from_millis(300)).await,
+            }
+        }
+    }
+
+    /// Pings (over the info protocol) up to [`MAX_PINGED`] candidates, and
+    /// folds the round trips into the moving averages.
+    async fn measure_rtts(&mut self, records: &[ServerRecord]) {
+        let node = &self.node;
+        let pings = records.iter().take(MAX_PINGED).filter_map(|r| {
+            let peer: PeerId = r.peer_id.parse().ok()?;
+            let mut control = node.control();
+            Some(async move {
+                let started = Instant::now();
+                let ok = fetch_info(&mut control, peer, Duration::from_secs(2))
+                    .await
+                    .is_ok();
+                (
+                    peer.to_string(),
+                    ok.then(|| started.elapsed().as_secs_f64()),
+                )
+            })
+        });
+        for (peer, rtt) in futures::future::join_all(pings).await {
+            match rtt {
+                Some(rtt) => self.costs.record_rtt(&peer, rtt),
+                None => self.costs.record_rtt(&peer, 1.0),
+            }
+        }
+    }
+
+    // `&mut self`: a shared borrow held across an await would need the chain to be Sync.
+    async fn open(&mut self, hop: &Hop) -> Result<RemoteSession, ClientError> {
+        let peer: PeerId = hop
+            .peer_id
+            .parse()
+            .map_err(|_| ClientError::Network(format!("bad peer id {}", hop.peer_id)))?;
+        let request = OpenRequest {
+            model: self.settings.model.clone(),
+            fingerprint: self
+                .settings
+                .expected_blocks
+                .as_ref()
+                .and_then(|h| h.get(hop.start..hop.end))
+                .map(span_hash)
+                .unwrap_or_default(),
+            start: hop.start as u32,
+            end: hop.end as u32,
+            max_length: self.settings.max_length as u32,
+            dtype: self.settings.dtype,
+        };
+        let mut control = self.node.control();
+        Ok(RemoteSession::open(&mut control, peer, request, self.settings.timeout).await?)
+    }
+
+    /// Replaces the servers of hop `index` after `error`, replaying its history.
+    async fn recover(
+        &mut self,
+        index: usize,
+        error: &SessionError,
+        position: usize,
+    ) -> Result<(), ClientError> {
+        let started = Instant::now();
+        let failed = error.peer().to_string();
+        tracing::warn!(peer = %failed, %error, "server failed; finding a replacement");
+        self.ban(&failed);
+        let (from, to) = (self.hops[index].start, self.hops[index].end);
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let route = self.find_route(from, to).await?;
+            match self.rebuild(index, &route).await {
+                Ok(sessions) => {
+                    let old = std::mem::replace(&mut self.hops[index].sessions, sessions);
+                    for (_, s) in old {
+                        drop(s);
+                    }
+                    self.recoveries.push(Recovery {
+                        step: self.steps,
+                        position,
+                        failed_peer: failed,
+                        error: error.to_string(),
+                        start: from,
+                        end: to,
+                        replacement: route,
+                        seconds: started.elapsed().as_secs_f64(),
+                    });
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "replacement failed too");
+                    if let ClientError::Session(se) = &e {
+                        let peer = se.peer().to_string();
+                        self.ban(&peer);
+                    }
+                    if attempts > self.settings.max_retries {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens sessions along `route` and replays hop `index`'s history through them.
+    async fn rebuild(
+        &mut self,
+        index: usize,
+        route: &[Hop],
+    ) -> Result<Vec<(Hop, RemoteSession)>, ClientError> {
+        let mut sessions = Vec::with_capacity(route.len());
+        for hop in route {
+            sessions.push((hop.clone(), self.open(hop).await?));
+        }
+        let history = std::mem::take(&mut self.hops[index].history);
+        let mut replayed = Ok(());
+        for (start, input) in &history {
+            if let Err(e) = run_sessions(&mut sessions, *start, input).await {
+                replayed = Err(e);
+                break;
+            }
+        }
+        self.hops[index].history = history;
+        replayed?;
+        Ok(sessions)
     }
 }
 
 impl BlockChain for RemoteChain {
     async fn forward(&mut self, hidden: Tensor, start: usize) -> Result<Tensor, ClientError> {
-        let mut payload = to_payload(&hidden, self.dtype)?;
-        for session in &mut self.sessions {
-            payload = session.step(start as u32, &payload).await?;
+        let mut payload = to_payload(&hidden, self.settings.dtype)?;
+        let mut failures = 0;
+        for index in 0..self.hops.len() {
+            loop {
+                match run_sessions(&mut self.hops[index].sessions, start as u32, &payload).await {
+                    Ok(out) => {
+                        let input = std::mem::replace(&mut payload, out);
+                        self.hops[index].history.push((start as u32, input));
+                        break;
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        if failures > self.settings.max_retries {
+                            return Err(e.into());
+                        }
+                        self.recover(index, &e, start).await?;
+                    }
+                }
+            }
         }
+        self.steps += 1;
         Ok(from_view(&payload.view(), &self.device)?)
     }
 }
@@ -198,13 +565,16 @@ mod tests {
     }
 
     #[test]
-    fn routes_take_the_farthest_reaching_server() {
+    fn routes_minimise_the_expected_time_per_step() {
+        let mut fast = record("c", 3, 8);
+        fast.throughput = 10.0;
         let records = [
             record("a", 0, 3),
             record("b", 0, 5),
-            record("c", 3, 8),
+            fast,
             record("d", 5, 8),
         ];
+        // b runs a block in 1/5 s, a in 1/3 s; c is ten times faster than both.
         let route = plan_route(&records, 8).unwrap();
         assert_eq!(
             route,
@@ -212,14 +582,52 @@ mod tests {
                 Hop {
                     peer_id: "b".into(),
                     start: 0,
-                    end: 5
+                    end: 3
                 },
                 Hop {
                     peer_id: "c".into(),
-                    start: 5,
+                    start: 3,
                     end: 8
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn slow_far_or_full_replicas_lose_and_ties_are_stable() {
+        let replicas = |tp_a: f64, tp_b: f64| {
+            let mut a = record("a", 0, 8);
+            a.throughput = tp_a;
+            let mut b = record("b", 0, 8);
+            b.throughput = tp_b;
+            vec![a, b]
+        };
+        let first = |records: &[ServerRecord], costs: &RouteCosts| {
+            plan_route_between(records, 0, 8, costs).unwrap()[0]
+                .peer_id
+                .clone()
+        };
+        let costs = RouteCosts::default();
+        assert_eq!(first(&replicas(1.0, 1.0), &costs), "a");
+        assert_eq!(first(&replicas(1.0, 2.0), &costs), "b");
+        let mut far = RouteCosts::default();
+        far.record_rtt("b", 5.0);
+        assert_eq!(first(&replicas(1.0, 2.0), &far), "a");
+        let full = RouteCosts {
+            max_length: 10,
+            ..RouteCosts::default()
+        };
+        let mut records = replicas(1.0, 2.0);
+        records[1].cache_tokens_left = 5;
+        records[0].cache_tokens_left = 100;
+        assert_eq!(first(&records, &full), "a");
+        assert_eq!(
+            plan_route_between(&records, 2, 5, &full).unwrap(),
+            vec![Hop {
+                peer_id: "a".into(),
+                start: 2,
+                end: 5
+            }]
         );
     }
 

@@ -124,6 +124,9 @@ pub struct ServerArgs {
     /// How often the server re-announces itself; entries expire after two periods.
     #[arg(long, env = "COROLLA_UPDATE_PERIOD", default_value = "60s", value_parser = parse_duration)]
     pub update_period: Duration,
+    /// Adds a fixed delay to every step (for tests of routing around slow servers).
+    #[arg(long, env = "COROLLA_STEP_DELAY_MS", default_value_t = 0)]
+    pub step_delay_ms: u64,
     /// A session idle this long is closed and its cache freed.
     #[arg(long, env = "COROLLA_SESSION_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
     pub session_timeout: Duration,

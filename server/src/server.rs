@@ -325,6 +325,7 @@ impl Server {
         let (span, throughput, fp, hashes) = {
             let ck = checkpoint.clone();
             let dtype = args.dtype.resolve(&config, &device);
+            let step_delay = Duration::from_millis(args.step_delay_ms);
             tokio::task::spawn_blocking(move || {
                 source.fetch(ck.files_for_layers(start, end))?;
                 let hashes = block_hashes(&ck, start, end)?;
@@ -332,7 +333,7 @@ impl Server {
                 // a server that downloaded only its blocks announces none.
                 let fp = fingerprint(&ck).unwrap_or_default();
                 let span = BlockSpan::load(&ck, start, end, dtype, &device)?;
-                let throughput = measure(&span)?;
+                let throughput = measure(&span, step_delay)?;
                 Ok::<_, ServerError>((span, throughput, fp, hashes))
             })
             .await
@@ -371,6 +372,7 @@ impl Server {
             max_length: args.inference_max_length,
             max_sessions: args.max_sessions,
             idle_timeout: args.session_timeout,
+            step_delay: Duration::from_millis(args.step_delay_ms),
             permits: Arc::new(Semaphore::new(args.max_sessions)),
             record: Mutex::new(record.clone()),
         });

@@ -25,6 +25,7 @@ pub(crate) struct SessionContext {
     pub max_length: usize,
     pub max_sessions: usize,
     pub idle_timeout: Duration,
+    pub step_delay: Duration,
     pub permits: Arc<Semaphore>,
     /// The announced record; live fields are filled in by [`Self::record`].
     pub record: Mutex<ServerRecord>,
@@ -249,6 +250,9 @@ async fn compute_step(
         Ok(x) => x,
         Err(e) => return (Some(s), refuse(ErrorCode::BadShape, e.to_string())),
     };
+    if !ctx.step_delay.is_zero() {
+        tokio::time::sleep(ctx.step_delay).await;
+    }
     let span = ctx.span.clone();
     let wire = s.dtype;
     let computed = tokio::task::spawn_blocking(move || {

@@ -461,6 +461,11 @@ impl NodeHandle {
     }
 }
 
+/// Waits for `duration`, on any runtime.
+pub async fn sleep(duration: Duration) {
+    Delay::new(duration).await
+}
+
 /// Runs `fut` with a deadline, on any runtime.
 pub async fn with_timeout<F: std::future::Future>(
     timeout: Duration,

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use corolla_client::network::connect;
-use corolla_client::{generate, plan_route, GenerateRequest, RemoteChain, SessionSettings};
+use corolla_client::{generate, GenerateRequest, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::{block_hashes, span_hash};
 use corolla_model::{Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::{RunningServer, Server, ServerArgs};
@@ -107,35 +107,18 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
             let ck = Checkpoint::open(tiny_llama()).unwrap();
             let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
             let golden = Golden::load(&tiny_llama(), "float32");
-            let mut records = Vec::new();
-            for _ in 0..50 {
-                records = node
-                    .discover(&model, Duration::from_secs(5))
-                    .await
-                    .unwrap_or_default();
-                if !records.is_empty() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            let route = plan_route(&records, 4).unwrap();
-            assert_eq!(route[0].peer_id, peer.to_string());
             let request = GenerateRequest {
                 prompt_ids: golden.prompts[2].input_ids.clone(),
                 max_new_tokens: 32,
                 sampling: SamplingParams::greedy(),
                 stop_at_eos: false,
             };
-            let settings = SessionSettings {
-                model,
-                expected_blocks: Some(hashes),
-                max_length: request.max_length(),
-                dtype: WireDType::F32,
-                timeout: Duration::from_secs(60),
-            };
-            let mut chain = RemoteChain::open(&node, &route, &settings, &Device::Cpu)
+            let mut settings = SessionSettings::new(model, 4, request.max_length(), WireDType::F32);
+            settings.expected_blocks = Some(hashes);
+            let mut chain = RemoteChain::connect(&node, settings, &Device::Cpu)
                 .await
                 .unwrap();
+            assert_eq!(chain.route()[0].peer_id, peer.to_string());
             let out = generate(&head, &mut chain, &request, |_| {
                 std::thread::sleep(Duration::from_millis(10));
                 std::ops::ControlFlow::Continue(())

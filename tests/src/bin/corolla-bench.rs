@@ -4,12 +4,8 @@
 //!
 //! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--write FILE]`
 
-use std::time::Duration;
-
 use corolla_client::network::connect;
-use corolla_client::{
-    generate, plan_route, GenerateRequest, LocalChain, RemoteChain, SessionSettings,
-};
+use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::block_hashes;
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
@@ -110,23 +106,13 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let node = connect(&[bootstrap.parse()?]).await?;
-    let name = servers[0].model().to_string();
-    let mut records = Vec::new();
-    for _ in 0..100 {
-        records = node.discover(&name, Duration::from_secs(5)).await?;
-        if records.len() == servers_n {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let route = plan_route(&records, spec.num_layers)?;
-    let settings = SessionSettings {
-        model: name,
-        expected_blocks: Some(block_hashes(&ck, 0, spec.num_layers)?),
-        max_length: request.max_length(),
-        dtype: WireDType::F32,
-        timeout: Duration::from_secs(60),
-    };
+    let mut settings = SessionSettings::new(
+        servers[0].model(),
+        spec.num_layers,
+        request.max_length(),
+        WireDType::F32,
+    );
+    settings.expected_blocks = Some(block_hashes(&ck, 0, spec.num_layers)?);
 
     let (mut local_tps, mut swarm_tps) = (Vec::new(), Vec::new());
     for round in 0..rounds + 1 {
@@ -135,7 +121,8 @@ async fn main() -> anyhow::Result<()> {
             std::ops::ControlFlow::Continue(())
         })
         .await?;
-        let mut chain = RemoteChain::open(&node, &route, &settings, &Device::Cpu).await?;
+        let mut chain = RemoteChain::connect(&node, settings.clone(), &Device::Cpu).await?;
+        assert_eq!(chain.route().len(), servers_n, "one hop per server");
         let swarm = generate(&head, &mut chain, &request, |_| {
             std::ops::ControlFlow::Continue(())
         })
