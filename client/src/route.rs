@@ -319,15 +319,33 @@ impl RemoteChain {
             recoveries: Vec::new(),
             steps: 0,
         };
-        let route = chain.find_route(0, chain.settings.num_layers).await?;
-        for hop in route {
-            let sessions = vec![(hop.clone(), chain.open(&hop).await?)];
-            chain.hops.push(HopState {
-                start: hop.start,
-                end: hop.end,
-                sessions,
-                history: Vec::new(),
-            });
+        let num_layers = chain.settings.num_layers;
+        let mut attempts = 0;
+        loop {
+            let route = chain.find_route(0, num_layers).await?;
+            match chain.open_all(&route).await {
+                Ok(sessions) => {
+                    chain.hops = route
+                        .into_iter()
+                        .zip(sessions)
+                        .map(|(hop, session)| HopState {
+                            start: hop.start,
+                            end: hop.end,
+                            sessions: vec![(hop, session)],
+                            history: Vec::new(),
+                        })
+                        .collect();
+                    break;
+                }
+                // A server announced but gone (its entry has not expired yet):
+                // route around it.
+                Err(ClientError::Session(e)) if attempts < chain.settings.max_retries => {
+                    attempts += 1;
+                    tracing::debug!(error = %e, "cannot open a session; routing around that server");
+                    chain.ban(&e.peer().to_string());
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(chain)
     }
@@ -487,16 +505,33 @@ impl RemoteChain {
         }
     }
 
+    async fn open_all(&mut self, route: &[Hop]) -> Result<Vec<RemoteSession>, ClientError> {
+        let mut sessions = Vec::with_capacity(route.len());
+        for hop in route {
+            match self.open(hop).await {
+                Ok(s) => sessions.push(s),
+                Err(e) => {
+                    for s in sessions {
+                        s.close().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(sessions)
+    }
+
     /// Opens sessions along `route` and replays hop `index`'s history through them.
     async fn rebuild(
         &mut self,
         index: usize,
         route: &[Hop],
     ) -> Result<Vec<(Hop, RemoteSession)>, ClientError> {
-        let mut sessions = Vec::with_capacity(route.len());
-        for hop in route {
-            sessions.push((hop.clone(), self.open(hop).await?));
-        }
+        let mut sessions: Vec<(Hop, RemoteSession)> = route
+            .iter()
+            .cloned()
+            .zip(self.open_all(route).await?)
+            .collect();
         let history = std::mem::take(&mut self.hops[index].history);
         let mut replayed = Ok(());
         for (start, input) in &history {

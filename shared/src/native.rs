@@ -11,7 +11,8 @@ use crate::behaviour::Behaviour;
 
 pub use libp2p_webrtc::tokio::Certificate as WebRtcCertificate;
 
-/// A swarm for a server (`webrtc` given: all transports) or a native client.
+/// A swarm for a server (`webrtc` given: TCP, QUIC, WebSocket, WebRTC-direct)
+/// or a native client (TCP).
 pub async fn build_swarm(
     keypair: Keypair,
     update_period: Duration,
@@ -27,17 +28,17 @@ pub async fn build_swarm(
             tcp::Config::default().nodelay(true),
             noise::Config::new,
             yamux::Config::default,
-        )?
-        .with_quic_config(|mut c| {
-            // A dead peer's UDP port never answers: give up on it quickly.
-            c.handshake_timeout = Duration::from_secs(3);
-            c
-        });
+        )?;
     let swarm_config =
         |c: libp2p::swarm::Config| c.with_idle_connection_timeout(Duration::from_secs(120));
     let behaviour = |key: &Keypair| Behaviour::new(key, update_period);
     let swarm = match webrtc {
         Some(cert) => builder
+            .with_quic_config(|mut c| {
+                // A dead peer's UDP port never answers: give up on it quickly.
+                c.handshake_timeout = Duration::from_secs(3);
+                c
+            })
             .with_other_transport(|key| {
                 Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
                     libp2p_webrtc::tokio::Transport::new(key.clone(), cert),
@@ -49,6 +50,8 @@ pub async fn build_swarm(
             .with_behaviour(behaviour)?
             .with_swarm_config(swarm_config)
             .build(),
+        // Native clients dial over TCP only: a dead server's TCP port refuses
+        // at once, where QUIC would wait out a handshake timeout.
         None => builder
             .with_dns()?
             .with_behaviour(behaviour)?

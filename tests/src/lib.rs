@@ -19,7 +19,7 @@ pub fn tiny_llama_fp16() -> PathBuf {
     fixtures_dir().join("tiny-llama-a-fp16")
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct GoldenPrompt {
     pub prompt: String,
     pub input_ids: Vec<u32>,

@@ -1,0 +1,402 @@
+//! Servers dying mid-answer: the client replays to replacements and the
+//! answer comes out token-identical; routing prefers fast servers and obeys
+//! the user's block list.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use corolla_client::network::connect;
+use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
+use corolla_model::fingerprint::block_hashes;
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
+use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_shared::node::NodeHandle;
+use corolla_shared::WireDType;
+use corolla_tests::{corolla_bin, tiny_llama, Golden};
+
+const SPANS: [&str; 3] = ["0:1", "1:3", "3:4"];
+
+async fn start(blocks: &str, join: Option<&str>, extra: &[&str]) -> RunningServer {
+    let mut args: Vec<String> = [
+        "corolla-server",
+        "--model",
+        tiny_llama().to_str().unwrap(),
+        "--block-indices",
+        blocks,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--update-period",
+        "1s",
+        "--inference-max-length",
+        "128",
+    ]
+    .map(String::from)
+    .to_vec();
+    match join {
+        Some(peer) => args.extend(["--initial-peers".to_string(), peer.to_string()]),
+        None => args.push("--new-swarm".into()),
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Server::start(ServerArgs::from_args_and_file(args).unwrap())
+        .await
+        .unwrap()
+}
+
+fn addr(server: &RunningServer) -> String {
+    server.tcp_addr().unwrap().to_string()
+}
+
+/// Two replicas of every span; `slow` adds a step delay to the middle span's servers.
+async fn six_servers(slow_ms: u64) -> Vec<RunningServer> {
+    let delay = slow_ms.to_string();
+    let first = start(SPANS[0], None, &[]).await;
+    let boot = addr(&first);
+    let mut servers = vec![first];
+    for (i, span) in SPANS.iter().enumerate() {
+        for replica in 0..2 {
+            if i == 0 && replica == 0 {
+                continue;
+            }
+            let extra: Vec<&str> = if i == 1 {
+                vec!["--step-delay-ms", &delay]
+            } else {
+                vec![]
+            };
+            servers.push(start(span, Some(&boot), &extra).await);
+        }
+    }
+    servers
+}
+
+fn settings(max_length: usize) -> SessionSettings {
+    let mut s = SessionSettings::new("tiny-llama-a", 4, max_length, WireDType::F32);
+    s.expected_blocks = Some(block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 0, 4).unwrap());
+    s.timeout = Duration::from_secs(10);
+    s.discovery_timeout = Duration::from_secs(20);
+    s
+}
+
+async fn chain_covering(
+    node: &NodeHandle,
+    settings: SessionSettings,
+    servers: usize,
+) -> RemoteChain {
+    // Wait until every server is announced, so that routes are chosen among all.
+    for _ in 0..100 {
+        if node
+            .discover("tiny-llama-a", Duration::from_secs(5))
+            .await
+            .unwrap()
+            .len()
+            >= servers
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    RemoteChain::connect(node, settings, &Device::Cpu)
+        .await
+        .unwrap()
+}
+
+fn head() -> ClientHead {
+    ClientHead::load(
+        &Checkpoint::open(tiny_llama()).unwrap(),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_middle_server_after_token_k_changes_nothing() {
+    let golden = Golden::load(&tiny_llama(), "float32");
+    let prompt = &golden.prompts[0];
+    let head = head();
+    // k = None: killed while the prompt's prefill is in flight.
+    for k in [None, Some(1), Some(13), Some(31)] {
+        let slow = if k.is_none() { 400 } else { 0 };
+        let servers = Arc::new(Mutex::new(six_servers(slow).await));
+        let boot = addr(&servers.lock().unwrap()[0]);
+        let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+        let request = GenerateRequest {
+            prompt_ids: prompt.input_ids.clone(),
+            max_new_tokens: 32,
+            sampling: SamplingParams::greedy(),
+            stop_at_eos: false,
+        };
+        let mut chain = chain_covering(&node, settings(request.max_length()), 6).await;
+        let victim = chain
+            .route()
+            .into_iter()
+            .find(|h| h.start == 1)
+            .unwrap()
+            .peer_id;
+        let kill = {
+            let servers = servers.clone();
+            let victim = victim.clone();
+            move || {
+                let mut all = servers.lock().unwrap();
+                let i = all
+                    .iter()
+                    .position(|s| s.peer_id().to_string() == victim)
+                    .unwrap();
+                all.remove(i).shutdown();
+            }
+        };
+        let killer = if k.is_none() {
+            let kill = kill.clone();
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                kill();
+            }))
+        } else {
+            None
+        };
+        let mut generated = 0;
+        let out = generate(&head, &mut chain, &request, |_| {
+            generated += 1;
+            if Some(generated) == k {
+                kill();
+            }
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+        if let Some(killer) = killer {
+            killer.await.unwrap();
+        }
+        assert_eq!(
+            out.generated_ids, prompt.generated_new_ids,
+            "killed after token {k:?}"
+        );
+        let recoveries = chain.recoveries();
+        assert_eq!(recoveries.len(), 1, "{recoveries:?}");
+        let r = &recoveries[0];
+        assert_eq!(r.failed_peer, victim);
+        assert_eq!((r.start, r.end, r.step), (1, 3, k.unwrap_or(0)));
+        assert_eq!(r.replacement.len(), 1);
+        assert_ne!(r.replacement[0].peer_id, victim);
+        println!("killed after token {k:?}: recovered in {:.3} s", r.seconds);
+        chain.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_recovers_onto_a_server_that_joined_during_the_answer() {
+    let golden = Golden::load(&tiny_llama(), "float32");
+    let prompt = golden.prompts[1].clone();
+    let first = start("0:1", None, &[]).await;
+    let boot = addr(&first);
+    let middle = start("1:3", Some(&boot), &["--step-delay-ms", "100"]).await;
+    let last = start("3:4", Some(&boot), &[]).await;
+    let model = tiny_llama();
+    let cli = tokio::process::Command::new(corolla_bin())
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--initial-peers",
+            &boot,
+            "--json",
+        ])
+        .args([
+            "--max-new-tokens",
+            "32",
+            "--prompt",
+            &prompt.prompt,
+            "--step-timeout",
+            "10",
+        ])
+        .env("RUST_LOG", "error")
+        .output();
+    let chaos = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let replacement = start("1:3", Some(&boot), &[]).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let victim = middle.peer_id().to_string();
+        middle.shutdown();
+        (victim, replacement)
+    };
+    let (out, (victim, replacement)) = tokio::join!(cli, chaos);
+    let out = out.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(json["generated_ids"].clone()).unwrap();
+    assert_eq!(ids, prompt.generated_new_ids);
+    let recoveries = json["recoveries"].as_array().unwrap();
+    assert_eq!(recoveries.len(), 1, "{json}");
+    assert_eq!(recoveries[0]["failed_peer"], victim.as_str());
+    assert_eq!(
+        recoveries[0]["replacement"][0]["peer_id"],
+        replacement.peer_id().to_string().as_str()
+    );
+    assert!(recoveries[0]["step"].as_u64().unwrap() > 0);
+    drop((first, last, replacement));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_avoid_slow_and_blocked_servers() {
+    let first = start("0:1", None, &[]).await;
+    let boot = addr(&first);
+    let slow = start("1:3", Some(&boot), &["--step-delay-ms", "200"]).await;
+    let fast = start("1:3", Some(&boot), &[]).await;
+    let last = start("3:4", Some(&boot), &[]).await;
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let middle = |chain: &RemoteChain| {
+        chain
+            .route()
+            .into_iter()
+            .find(|h| h.start == 1)
+            .unwrap()
+            .peer_id
+    };
+
+    let chain = chain_covering(&node, settings(64), 4).await;
+    assert_eq!(
+        middle(&chain),
+        fast.peer_id().to_string(),
+        "the fast replica"
+    );
+    chain.close().await;
+
+    let mut blocked = settings(64);
+    blocked.blocked_servers = HashSet::from([fast.peer_id().to_string()]);
+    let chain = chain_covering(&node, blocked, 4).await;
+    assert_eq!(
+        middle(&chain),
+        slow.peer_id().to_string(),
+        "the fast one is blocked"
+    );
+    chain.close().await;
+
+    let mut allowed = settings(64);
+    allowed.allowed_servers = Some(
+        [&first, &slow, &last]
+            .iter()
+            .map(|s| s.peer_id().to_string())
+            .collect(),
+    );
+    let chain = chain_covering(&node, allowed, 4).await;
+    assert_eq!(
+        middle(&chain),
+        slow.peer_id().to_string(),
+        "only allowed servers"
+    );
+    chain.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_every_session_completes_token_identical() {
+    const SESSIONS: u64 = 50;
+    const NEW_TOKENS: usize = 12;
+    let golden = Golden::load(&tiny_llama(), "float32");
+    let prompt = golden.prompts[1].input_ids.clone();
+    let head = head();
+    let ck = Checkpoint::open(tiny_llama()).unwrap();
+    let whole = [BlockSpan::load(&ck, 0, 4, DType::F32, &Device::Cpu).unwrap()];
+    let request = |seed: u64| GenerateRequest {
+        prompt_ids: prompt.clone(),
+        max_new_tokens: NEW_TOKENS,
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_p: Some(0.95),
+            seed,
+            ..Default::default()
+        },
+        stop_at_eos: false,
+    };
+    let mut expected = Vec::new();
+    for seed in 0..SESSIONS {
+        let mut local = LocalChain::new(&whole, request(seed).max_length()).unwrap();
+        let out = generate(&head, &mut local, &request(seed), |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+        expected.push(out.generated_ids);
+    }
+
+    let servers = Arc::new(Mutex::new(six_servers(0).await));
+    let boot = addr(&servers.lock().unwrap()[0]);
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Kill a random server whose span has another live replica, then start a
+    // new one for that span; bounded in count and time.
+    let chaos = {
+        let servers = servers.clone();
+        let done = done.clone();
+        tokio::spawn(async move {
+            let mut kills = 0u32;
+            let mut rng = 0x2545_f491_4f6c_dd1du64;
+            let started = Instant::now();
+            while !done.load(std::sync::atomic::Ordering::Relaxed)
+                && kills < 25
+                && started.elapsed() < Duration::from_secs(120)
+            {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let (span, join) = {
+                    let mut all = servers.lock().unwrap();
+                    let i = (rng % all.len() as u64) as usize;
+                    let span = all[i].blocks();
+                    if all.iter().filter(|s| s.blocks() == span).count() < 2 {
+                        continue;
+                    }
+                    all.remove(i).shutdown();
+                    let join = addr(&all[0]);
+                    (span, join)
+                };
+                kills += 1;
+                let fresh = start(&format!("{}:{}", span.0, span.1), Some(&join), &[]).await;
+                servers.lock().unwrap().push(fresh);
+            }
+            kills
+        })
+    };
+
+    let (mut recoveries, mut mismatches) = (0, 0);
+    for seed in 0..SESSIONS {
+        let mut s = settings(request(seed).max_length());
+        s.max_retries = 20;
+        let mut chain = match RemoteChain::connect(&node, s, &Device::Cpu).await {
+            Ok(c) => c,
+            Err(e) => {
+                let found = node.discover("tiny-llama-a", Duration::from_secs(5)).await;
+                let live: Vec<_> = servers
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|s| (s.peer_id().to_string(), s.blocks()))
+                    .collect();
+                panic!("session {seed}: no route ({e}); the DHT lists {found:?}; alive: {live:?}");
+            }
+        };
+        let out = generate(&head, &mut chain, &request(seed), |_| {
+            std::thread::sleep(Duration::from_millis(10));
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("session {seed} failed: {e}"));
+        recoveries += chain.recoveries().len();
+        if out.generated_ids != expected[seed as usize] {
+            mismatches += 1;
+        }
+        chain.close().await;
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let kills = chaos.await.unwrap();
+    println!("chaos: {SESSIONS} sessions, {kills} kills, {recoveries} recoveries, {mismatches} mismatches");
+    assert_eq!(mismatches, 0);
+    assert!(kills >= 5, "too few kills ({kills}) to mean anything");
+    assert!(recoveries >= 1, "no session met a failure");
+}
