@@ -7,4 +7,4 @@ source scripts/env.sh
 # The dev profile optimises every dependency (candle, libp2p), which is where
 # the time goes; it shares the test build instead of compiling a release one.
 cargo build --locked -p corolla-tests --bin corolla-bench
-"$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-3}" --new-tokens 128 --write BENCHMARKS.md
+"$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md

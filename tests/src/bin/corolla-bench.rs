@@ -4,6 +4,8 @@
 //!
 //! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--write FILE]`
 
+use std::time::Duration;
+
 use corolla_client::network::connect;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::block_hashes;
@@ -56,7 +58,7 @@ async fn main() -> anyhow::Result<()> {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "2");
     }
-    let rounds = arg("--rounds", 3);
+    let rounds = arg("--rounds", 5);
     let new_tokens = arg("--new-tokens", 128);
     let servers_n = 4;
     let spec = RandomSpec {
@@ -114,20 +116,32 @@ async fn main() -> anyhow::Result<()> {
     );
     settings.expected_blocks = Some(block_hashes(&ck, 0, spec.num_layers)?);
 
-    let (mut local_tps, mut swarm_tps) = (Vec::new(), Vec::new());
+    let (mut local_tps, mut swarm_tps, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds + 1 {
-        let mut chain = LocalChain::new(&whole, request.max_length())?;
-        let local = generate(&head, &mut chain, &request, |_| {
-            std::ops::ControlFlow::Continue(())
-        })
-        .await?;
-        let mut chain = RemoteChain::connect(&node, settings.clone(), &Device::Cpu).await?;
-        assert_eq!(chain.route().len(), servers_n, "one hop per server");
-        let swarm = generate(&head, &mut chain, &request, |_| {
-            std::ops::ControlFlow::Continue(())
-        })
-        .await?;
-        chain.close().await;
+        // Alternate which runs first, so that neither always gets the warmer machine.
+        let mut pair = [None, None];
+        for which in [round % 2, 1 - round % 2] {
+            let out = if which == 0 {
+                let mut chain = LocalChain::new(&whole, request.max_length())?;
+                generate(&head, &mut chain, &request, |_| {
+                    std::ops::ControlFlow::Continue(())
+                })
+                .await?
+            } else {
+                let mut chain = RemoteChain::connect(&node, settings.clone(), &Device::Cpu).await?;
+                assert_eq!(chain.route().len(), servers_n, "one hop per server");
+                let out = generate(&head, &mut chain, &request, |_| {
+                    std::ops::ControlFlow::Continue(())
+                })
+                .await?;
+                chain.close().await;
+                out
+            };
+            pair[which] = Some(out);
+        }
+        let [Some(local), Some(swarm)] = pair else {
+            unreachable!("both runs happened")
+        };
         assert_eq!(
             local.generated_ids, swarm.generated_ids,
             "swarm and local tokens differ"
@@ -137,6 +151,7 @@ async fn main() -> anyhow::Result<()> {
         }
         local_tps.push(local.tokens_per_second());
         swarm_tps.push(swarm.tokens_per_second());
+        ratios.push(swarm.tokens_per_second() / local.tokens_per_second());
         eprintln!(
             "round {round}: local {:.1} tok/s, swarm {:.1} tok/s",
             local.tokens_per_second(),
@@ -144,7 +159,7 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let (local, swarm) = (median(local_tps), median(swarm_tps));
-    let ratio = swarm / local;
+    let ratio = median(ratios);
     let per_hop_us = (1.0 / swarm - 1.0 / local) / servers_n as f64 * 1e6;
     let report = format!(
         "## Swarm vs local (`corolla-bench`)\n\n\
@@ -153,10 +168,21 @@ async fn main() -> anyhow::Result<()> {
          Greedy generation of {new_tokens} tokens after a 16-token prompt; {servers_n} servers of {per} layers each \
          on loopback, in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n\
          | run | tokens/s |\n|---|---|\n| local (one process) | {local:.1} |\n| swarm ({servers_n} servers) | {swarm:.1} |\n\n\
-         - ratio swarm / local: **{ratio:.3}** (target >= 0.9)\n\
+         - ratio swarm / local (median of the rounds' ratios): **{ratio:.3}** (target >= 0.9)\n\
          - added latency per hop: **{per_hop_us:.0} µs** per token\n",
         spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size
     );
+    let recovery = bench_recovery(
+        &node,
+        &head,
+        &settings,
+        &model,
+        &bootstrap,
+        per,
+        &mut servers,
+    )
+    .await?;
+    let report = format!("{report}\n{recovery}");
     println!("{report}");
     let args: Vec<String> = std::env::args().collect();
     if let Some(path) = args
@@ -168,4 +194,95 @@ async fn main() -> anyhow::Result<()> {
     }
     drop(servers);
     Ok(())
+}
+
+/// Kills the server in use for blocks `per..2 per` once its history holds 256
+/// positions, and measures what that costs the next token.
+async fn bench_recovery(
+    node: &corolla_shared::node::NodeHandle,
+    head: &ClientHead,
+    settings: &SessionSettings,
+    model: &str,
+    bootstrap: &str,
+    per: usize,
+    servers: &mut Vec<RunningServer>,
+) -> anyhow::Result<String> {
+    const HISTORY: usize = 256;
+    const PROMPT: usize = 250;
+    servers.push(
+        start(
+            model,
+            format!("{per}:{}", 2 * per),
+            Some(bootstrap.to_string()),
+        )
+        .await,
+    );
+    let expected = servers.len();
+    for _ in 0..100 {
+        if node
+            .discover(servers[0].model(), Duration::from_secs(5))
+            .await?
+            .len()
+            >= expected
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let request = GenerateRequest {
+        prompt_ids: (0..PROMPT as u32).map(|i| 1 + (i * 53) % 4000).collect(),
+        max_new_tokens: 16,
+        sampling: SamplingParams::greedy(),
+        stop_at_eos: false,
+    };
+    let mut settings = settings.clone();
+    settings.max_length = request.max_length();
+    let mut chain = RemoteChain::connect(node, settings, &Device::Cpu).await?;
+    let victim = chain
+        .route()
+        .into_iter()
+        .find(|h| h.start == per)
+        .map(|h| h.peer_id)
+        .ok_or_else(|| anyhow::anyhow!("no hop starts at block {per}"))?;
+    let kill_after = HISTORY - PROMPT; // tokens generated when the hop has seen 256 positions
+    let mut times = Vec::new();
+    let mut killed_at = None;
+    generate(head, &mut chain, &request, |_| {
+        times.push(std::time::Instant::now());
+        if times.len() == kill_after {
+            if let Some(i) = servers
+                .iter()
+                .position(|s| s.peer_id().to_string() == victim)
+            {
+                servers.remove(i).shutdown();
+                killed_at = Some(std::time::Instant::now());
+            }
+        }
+        std::ops::ControlFlow::Continue(())
+    })
+    .await?;
+    let killed_at = killed_at.ok_or_else(|| anyhow::anyhow!("the victim was not running"))?;
+    let recoveries = chain.recoveries().to_vec();
+    chain.close().await;
+    anyhow::ensure!(
+        recoveries.len() == 1,
+        "expected one recovery, got {recoveries:?}"
+    );
+    let to_next = (times[kill_after] - killed_at).as_secs_f64() * 1e3;
+    let mut gaps: Vec<f64> = times
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .collect();
+    gaps.remove(kill_after - 1);
+    let normal = median(gaps);
+    Ok(format!(
+        "## Recovery (`corolla-bench`, same run)\n\n\
+         A {PROMPT}-token prompt through the same 4 spans plus a replica of blocks {per}..{}; the server in use \
+         for those blocks is killed once their history holds {HISTORY} positions.\n\n\
+         | measure | ms |\n|---|---|\n| failure to next token | {to_next:.1} |\n| normal time per token | {normal:.1} |\n\
+         | added by the recovery | **{:.1}** |\n| client's own count (failure to caught up) | {:.1} |\n",
+        2 * per,
+        to_next - normal,
+        recoveries[0].seconds * 1e3,
+    ))
 }
