@@ -213,8 +213,24 @@ async fn the_cli_recovers_onto_a_server_that_joined_during_the_answer() {
         ])
         .env("RUST_LOG", "error")
         .output();
+    let watcher = connect(&[boot.parse().unwrap()]).await.unwrap();
     let chaos = async {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Strike once the answer is under way: the middle server has a session
+        // and has served a few steps (100 ms each).
+        let mut control = watcher.control();
+        for _ in 0..600 {
+            let info = corolla_shared::session::fetch_info(
+                &mut control,
+                middle.peer_id(),
+                Duration::from_secs(5),
+            )
+            .await;
+            if info.is_ok_and(|r| r.sessions > 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let replacement = start("1:3", Some(&boot), &[]).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         let victim = middle.peer_id().to_string();

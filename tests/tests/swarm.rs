@@ -166,6 +166,8 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
     assert_eq!(view["servers"].as_array().unwrap().len(), 3, "{view}");
     assert_eq!(view["uncovered"], serde_json::json!([]));
 
+    // Entries live two update periods after the last announcement; the slack
+    // covers the time one `corolla swarm` run takes on a loaded machine.
     let dead = servers.pop().unwrap();
     let dead_id = dead.peer_id().to_string();
     let killed = Instant::now();
@@ -181,7 +183,7 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
             break view;
         }
         assert!(
-            killed.elapsed() < Duration::from_secs(2 * UPDATE_PERIOD_SECS + 3),
+            killed.elapsed() < Duration::from_secs(2 * UPDATE_PERIOD_SECS + 5),
             "the dead server is still listed after {:?}",
             killed.elapsed()
         );
@@ -189,7 +191,7 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
     };
     let gone_after = killed.elapsed();
     println!("dead server gone from the DHT after {gone_after:?}");
-    assert!(gone_after <= Duration::from_secs(2 * UPDATE_PERIOD_SECS + 3));
+    assert!(gone_after <= Duration::from_secs(2 * UPDATE_PERIOD_SECS + 5));
     assert_eq!(view["complete"], false);
     assert_eq!(view["uncovered"], serde_json::json!([[3, 4]]));
 }
