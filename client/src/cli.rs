@@ -17,10 +17,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
 use serde::Serialize;
 
+use crate::chain::{Recovery, RemoteChain, SessionSettings};
 use crate::generate::{generate, GenerateRequest};
 use crate::local::LocalChain;
 use crate::network::connect;
-use crate::route::{uncovered_blocks, Hop, Recovery, RemoteChain, SessionSettings};
+use crate::route::{uncovered_blocks, Hop};
 use crate::text::{TextStream, TextTokenizer};
 
 #[derive(Parser, Debug)]

@@ -6,6 +6,7 @@
 //! The same [`generate`] loop drives both, so a swarm run and a local run
 //! with the same seed produce the same tokens.
 
+pub mod chain;
 mod error;
 pub mod generate;
 pub mod local;
@@ -17,10 +18,11 @@ pub mod cli;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod network;
 
+pub use chain::{Recovery, RemoteChain, SessionSettings};
 pub use error::ClientError;
 pub use generate::{generate, BlockChain, GenerateOutput, GenerateRequest, StopReason};
 pub use local::LocalChain;
 pub use route::{
-    matching_servers, plan_route, uncovered_blocks, Hop, RemoteChain, SessionSettings,
+    matching_servers, plan_route, plan_route_between, uncovered_blocks, Hop, RouteCosts,
 };
 pub use text::{TextStream, TextTokenizer};

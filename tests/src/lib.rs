@@ -166,3 +166,33 @@ pub fn corolla_bin() -> PathBuf {
     );
     bin
 }
+
+/// Starts a server of the tiny Llama's `blocks` on an ephemeral loopback
+/// port: a new swarm, or joining `join` (a multiaddr); `extra` flags last.
+pub async fn start_server(
+    blocks: &str,
+    join: Option<&str>,
+    extra: &[&str],
+) -> corolla_server::RunningServer {
+    let model = tiny_llama();
+    let mut args: Vec<String> = [
+        "corolla-server",
+        "--model",
+        model.to_str().expect("utf-8 path"),
+        "--block-indices",
+        blocks,
+    ]
+    .into_iter()
+    .chain(["--host", "127.0.0.1", "--port", "0"])
+    .map(String::from)
+    .collect();
+    match join {
+        Some(peer) => args.extend(["--initial-peers".to_string(), peer.to_string()]),
+        None => args.push("--new-swarm".into()),
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args = corolla_server::ServerArgs::from_args_and_file(args).expect("server flags");
+    corolla_server::Server::start(args)
+        .await
+        .expect("server starts")
+}

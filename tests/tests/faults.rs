@@ -10,39 +10,16 @@ use corolla_client::network::connect;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::block_hashes;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
-use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_server::RunningServer;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::WireDType;
-use corolla_tests::{corolla_bin, tiny_llama, Golden};
+use corolla_tests::{corolla_bin, start_server, tiny_llama, Golden};
 
 const SPANS: [&str; 3] = ["0:1", "1:3", "3:4"];
 
 async fn start(blocks: &str, join: Option<&str>, extra: &[&str]) -> RunningServer {
-    let mut args: Vec<String> = [
-        "corolla-server",
-        "--model",
-        tiny_llama().to_str().unwrap(),
-        "--block-indices",
-        blocks,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--update-period",
-        "1s",
-        "--inference-max-length",
-        "128",
-    ]
-    .map(String::from)
-    .to_vec();
-    match join {
-        Some(peer) => args.extend(["--initial-peers".to_string(), peer.to_string()]),
-        None => args.push("--new-swarm".into()),
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
-    Server::start(ServerArgs::from_args_and_file(args).unwrap())
-        .await
-        .unwrap()
+    let flags = ["--update-period", "1s", "--inference-max-length", "128"];
+    start_server(blocks, join, &[&flags[..], extra].concat()).await
 }
 
 fn addr(server: &RunningServer) -> String {

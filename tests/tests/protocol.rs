@@ -8,39 +8,23 @@ use corolla_client::network::connect;
 use corolla_client::{generate, GenerateRequest, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::{block_hashes, span_hash};
 use corolla_model::{Checkpoint, ClientHead, DType, Device, SamplingParams};
-use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_server::RunningServer;
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::protocol::{
     encode_step, ErrorCode, OpenRequest, Request, Response, INFERENCE_PROTOCOL,
 };
 use corolla_shared::{Limits, TensorPayload, WireDType};
-use corolla_tests::{tiny_llama, Golden};
+use corolla_tests::{start_server, tiny_llama, Golden};
 use futures::AsyncWriteExt;
 use libp2p::Stream;
 
 async fn server() -> RunningServer {
-    let args = ServerArgs::from_args_and_file(
-        [
-            "corolla-server",
-            "--model",
-            tiny_llama().to_str().unwrap(),
-            "--block-indices",
-            "0:4",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--new-swarm",
-            "--inference-max-length",
-            "128",
-            "--update-period",
-            "5s",
-        ]
-        .map(String::from)
-        .to_vec(),
+    start_server(
+        "0:4",
+        None,
+        &["--inference-max-length", "128", "--update-period", "5s"],
     )
-    .unwrap();
-    Server::start(args).await.unwrap()
+    .await
 }
 
 /// Sends one frame and decodes the answer; `None` when the server closed the stream.
@@ -248,30 +232,15 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn info_reports_the_server_and_sessions_free_their_caches() {
     use corolla_shared::session::fetch_info;
-    let args = ServerArgs::from_args_and_file(
-        [
-            "corolla-server",
-            "--model",
-            tiny_llama().to_str().unwrap(),
-            "--block-indices",
-            "1:3",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--new-swarm",
-            "--inference-max-length",
-            "32",
-            "--max-sessions",
-            "2",
-            "--session-timeout",
-            "1s",
-        ]
-        .map(String::from)
-        .to_vec(),
-    )
-    .unwrap();
-    let server = Server::start(args).await.unwrap();
+    let flags = [
+        "--inference-max-length",
+        "32",
+        "--max-sessions",
+        "2",
+        "--session-timeout",
+        "1s",
+    ];
+    let server = start_server("1:3", None, &flags).await;
     let node = connect(&[server.tcp_addr().unwrap().clone()])
         .await
         .unwrap();

@@ -3,38 +3,21 @@
 
 use std::time::{Duration, Instant};
 
-use corolla_server::{RunningServer, Server, ServerArgs};
-use corolla_tests::{corolla_bin, tiny_llama, Golden};
+use corolla_server::RunningServer;
+use corolla_tests::{corolla_bin, start_server, tiny_llama, Golden};
 use serde_json::Value;
 
 const UPDATE_PERIOD_SECS: u64 = 2;
 
-async fn start_server(blocks: &str, join: Option<&RunningServer>) -> RunningServer {
-    let model = tiny_llama();
-    let mut args = vec![
-        "corolla-server".to_string(),
-        "--model".into(),
-        model.to_string_lossy().into_owned(),
-        "--block-indices".into(),
-        blocks.into(),
-        "--host".into(),
-        "127.0.0.1".into(),
-        "--port".into(),
-        "0".into(),
-        "--update-period".into(),
-        format!("{UPDATE_PERIOD_SECS}s"),
-        "--inference-max-length".into(),
-        "256".into(),
-    ];
-    match join {
-        None => args.push("--new-swarm".into()),
-        Some(first) => {
-            args.push("--initial-peers".into());
-            args.push(first.tcp_addr().expect("tcp address").to_string());
-        }
-    }
-    let args = ServerArgs::from_args_and_file(args).expect("server args");
-    Server::start(args).await.expect("server starts")
+async fn start(blocks: &str, join: Option<&RunningServer>) -> RunningServer {
+    let period = format!("{UPDATE_PERIOD_SECS}s");
+    let join = join.map(|first| first.tcp_addr().expect("tcp address").to_string());
+    start_server(
+        blocks,
+        join.as_deref(),
+        &["--update-period", &period, "--inference-max-length", "256"],
+    )
+    .await
 }
 
 /// The first server's TCP multiaddr, as the CLI takes it.
@@ -73,9 +56,9 @@ async fn generate(extra: &[&str]) -> Value {
 }
 
 async fn three_servers() -> Vec<RunningServer> {
-    let first = start_server("0:1", None).await;
-    let second = start_server("1:3", Some(&first)).await;
-    let third = start_server("3:4", Some(&first)).await;
+    let first = start("0:1", None).await;
+    let second = start("1:3", Some(&first)).await;
+    let third = start("3:4", Some(&first)).await;
     vec![first, second, third]
 }
 
