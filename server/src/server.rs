@@ -368,7 +368,14 @@ impl Server {
             span: Arc::new(span),
             model: model.clone(),
             block_hashes: hashes,
-            limits: Limits::DEFAULT,
+            // No step can carry more than max_length positions of f32 hidden
+            // states; frames are bounded by that before any buffer grows.
+            limits: Limits {
+                max_tensor_bytes: (args.inference_max_length as u64)
+                    .saturating_mul(config.hidden_size as u64)
+                    .saturating_mul(4),
+                ..Limits::DEFAULT
+            },
             max_length: args.inference_max_length,
             max_sessions: args.max_sessions,
             idle_timeout: args.session_timeout,
