@@ -150,9 +150,14 @@ impl LlamaConfig {
                 "num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})"
             ));
         }
-        if raw.hidden_size == 0 || raw.intermediate_size == 0 || raw.vocab_size == 0 {
+        if raw.hidden_size == 0
+            || raw.intermediate_size == 0
+            || raw.vocab_size == 0
+            || raw.num_hidden_layers == 0
+        {
             return invalid(
-                "hidden_size, intermediate_size and vocab_size must be positive".into(),
+                "hidden_size, intermediate_size, vocab_size and num_hidden_layers must be positive"
+                    .into(),
             );
         }
         let head_dim = match raw.head_dim {
