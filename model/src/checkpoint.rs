@@ -1,8 +1,9 @@
 //! A checkpoint on disk and lazy, memory-mapped access to its tensors.
 //!
-//! Three layouts are understood, detected in this order:
+//! Four layouts are understood, detected in this order:
+//! 0. a single GGUF file (llama.cpp's format, quantized or not);
 //! 1. `corolla-index.json`, written by [`crate::convert::convert`]: per-span
-//!    block files plus a client part;
+//!    block files (safetensors or GGUF) plus a client part;
 //! 2. `model.safetensors.index.json` with sharded `*.safetensors` files;
 //! 3. a single `model.safetensors`.
 //!
@@ -15,6 +16,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use safetensors::tensor::Metadata;
@@ -23,12 +25,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::gguf::{GgufFile, GgufTokenizer};
+use crate::rope::RopeLayout;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const SHARDED_INDEX: &str = "model.safetensors.index.json";
 pub const COROLLA_INDEX: &str = "corolla-index.json";
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
 /// `corolla-index.json`: which file holds which blocks, and every tensor's file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,17 +73,60 @@ struct ShardedIndex {
     weight_map: HashMap<String, String>,
 }
 
+/// How a tensor is stored on disk.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum RawDType {
+    Safetensors(StDtype),
+    Ggml(GgmlDType),
+}
+
+impl RawDType {
+    /// Whether the bytes are blocks of a GGML quantization rather than floats.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, RawDType::Ggml(t) if !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16))
+    }
+}
+
+impl std::fmt::Debug for RawDType {
+    // Only the inner name: fingerprints hash this text.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RawDType::Safetensors(t) => write!(f, "{t:?}"),
+            RawDType::Ggml(t) => write!(f, "{t:?}"),
+        }
+    }
+}
+
 /// One tensor's location inside a mapped file, before conversion.
 pub struct RawTensor {
-    file: Arc<MappedFile>,
-    pub dtype: StDtype,
+    file: Arc<WeightFile>,
+    pub dtype: RawDType,
     pub shape: Vec<usize>,
     range: (usize, usize),
 }
 
 impl RawTensor {
     pub fn data(&self) -> &[u8] {
-        &self.file.mmap[self.range.0..self.range.1]
+        let mmap = match self.file.as_ref() {
+            WeightFile::Safetensors(f) => &f.mmap[..],
+            WeightFile::Gguf(f) => f.mapped_bytes(),
+        };
+        &mmap[self.range.0..self.range.1]
+    }
+}
+
+enum WeightFile {
+    Safetensors(MappedFile),
+    Gguf(GgufFile),
+}
+
+impl WeightFile {
+    fn open(path: &Path) -> Result<Self> {
+        if path.extension().is_some_and(|e| e == "gguf") {
+            Ok(WeightFile::Gguf(GgufFile::open(path)?))
+        } else {
+            Ok(WeightFile::Safetensors(MappedFile::open(path)?))
+        }
     }
 }
 
@@ -105,13 +153,57 @@ impl MappedFile {
     }
 }
 
-/// A model folder: its config, where each tensor lives, and lazily opened files.
+/// What happens to quantized (GGUF) weights at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QuantizedWeights {
+    /// Dequantize models whose float32 weights take at most
+    /// [`AUTO_DEQUANTIZE_LIMIT`] bytes, keep larger ones quantized. Decided
+    /// by the model alone, so every server of a model computes alike.
+    #[default]
+    Auto,
+    /// Keep weights quantized: least memory; activations are quantized for
+    /// each product (as llama.cpp does), an approximation of the float math.
+    Keep,
+    /// Dense weights in the compute dtype: float-exact math, more memory.
+    Dequantize,
+}
+
+impl std::str::FromStr for QuantizedWeights {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "keep" => Ok(Self::Keep),
+            "dequantize" => Ok(Self::Dequantize),
+            other => Err(format!("{other:?} is not one of auto, keep, dequantize")),
+        }
+    }
+}
+
+/// Models up to this many bytes of float32 weights are dequantized by [`QuantizedWeights::Auto`].
+pub const AUTO_DEQUANTIZE_LIMIT: u64 = 2 << 30;
+
+/// Where a model's tokenizer comes from.
+#[derive(Debug, Clone)]
+pub enum TokenizerSource {
+    /// A Hugging Face `tokenizer.json`.
+    Json(PathBuf),
+    /// The metadata of a GGUF file.
+    Gguf(Box<GgufTokenizer>),
+}
+
+/// A model folder or GGUF file: its config, where each tensor lives, and
+/// lazily opened files.
 pub struct Checkpoint {
     dir: PathBuf,
+    /// The GGUF file itself, when the checkpoint is one file.
+    single_file: Option<PathBuf>,
     config: LlamaConfig,
     weight_map: HashMap<String, String>,
     corolla_index: Option<CorollaIndex>,
-    files: Mutex<HashMap<String, Arc<MappedFile>>>,
+    files: Mutex<HashMap<String, Arc<WeightFile>>>,
+    /// Turn quantized weights into dense ones at load (the compute dtype).
+    dequantize: bool,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -129,8 +221,13 @@ fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
 }
 
 impl Checkpoint {
-    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref().to_path_buf();
+    /// Opens a model folder (any of the layouts above) or a single GGUF file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_file() {
+            return Self::open_gguf(path);
+        }
+        let dir = path.to_path_buf();
         let config = LlamaConfig::from_file(&dir.join(CONFIG_FILE))?;
         let mut files = HashMap::new();
         let (weight_map, corolla_index) = if dir.join(COROLLA_INDEX).is_file() {
@@ -161,7 +258,10 @@ impl Checkpoint {
                 .into_keys()
                 .map(|name| (name, SINGLE_FILE.to_string()))
                 .collect();
-            files.insert(SINGLE_FILE.to_string(), Arc::new(file));
+            files.insert(
+                SINGLE_FILE.to_string(),
+                Arc::new(WeightFile::Safetensors(file)),
+            );
             (map, None)
         } else {
             return Err(ModelError::NoWeights(dir));
@@ -178,15 +278,163 @@ impl Checkpoint {
         }
         Ok(Checkpoint {
             dir,
+            single_file: None,
             config,
             weight_map,
             corolla_index,
             files: Mutex::new(files),
+            dequantize: false,
         })
     }
 
+    fn open_gguf(path: &Path) -> Result<Self> {
+        if !crate::gguf::is_gguf(path) {
+            return Err(ModelError::invalid_file(
+                path,
+                "not a GGUF file; pass a GGUF file or a model folder",
+            ));
+        }
+        let file = GgufFile::open(path)?;
+        let config = file.config()?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let weight_map = file
+            .tensors()
+            .keys()
+            .map(|t| (t.clone(), name.clone()))
+            .collect();
+        let dir = path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        let files = HashMap::from([(name, Arc::new(WeightFile::Gguf(file)))]);
+        Ok(Checkpoint {
+            dir,
+            single_file: Some(path.to_path_buf()),
+            config,
+            weight_map,
+            corolla_index: None,
+            files: Mutex::new(files),
+            dequantize: false,
+        })
+    }
+
+    /// Loads quantized weights as dense tensors of the compute dtype: more
+    /// memory, float-exact math.
+    pub fn with_dequantize(mut self, dequantize: bool) -> Self {
+        self.dequantize = dequantize;
+        self
+    }
+
+    /// Applies a [`QuantizedWeights`] choice.
+    pub fn with_quantized_weights(self, choice: QuantizedWeights) -> Self {
+        let dequantize = match choice {
+            QuantizedWeights::Keep => false,
+            QuantizedWeights::Dequantize => true,
+            QuantizedWeights::Auto => self.config.parameter_count() * 4 <= AUTO_DEQUANTIZE_LIMIT,
+        };
+        self.with_dequantize(dequantize)
+    }
+
+    /// Whether quantized weights are loaded dense.
+    pub fn dequantizes(&self) -> bool {
+        self.dequantize
+    }
+
+    /// The folder holding the checkpoint (a GGUF file's parent folder).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The GGUF file, when the checkpoint is a single file.
+    pub fn single_file(&self) -> Option<&Path> {
+        self.single_file.as_deref()
+    }
+
+    /// Whether the weights come from GGUF files.
+    pub fn is_gguf(&self) -> bool {
+        self.weight_map.values().any(|f| f.ends_with(".gguf"))
+    }
+
+    /// How Q and K rows are laid out for rotary embeddings.
+    pub fn rope_layout(&self) -> RopeLayout {
+        if self.is_gguf() {
+            RopeLayout::Interleaved
+        } else {
+            RopeLayout::Halves
+        }
+    }
+
+    /// The GGUF file holding the client part, whose metadata carries the
+    /// tokenizer and chat template.
+    fn client_gguf(&self) -> Result<Option<Arc<WeightFile>>> {
+        match self.weight_map.get(crate::head::EMBED_TOKENS) {
+            Some(file) if file.ends_with(".gguf") => Ok(Some(self.mapped(file)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// The model's tokenizer: `tokenizer.json` beside the weights, else the
+    /// GGUF metadata.
+    pub fn tokenizer_source(&self) -> Result<TokenizerSource> {
+        let json = self.tokenizer_path();
+        if self.single_file.is_none() && json.is_file() {
+            return Ok(TokenizerSource::Json(json));
+        }
+        if let Some(file) = self.client_gguf()? {
+            if let WeightFile::Gguf(g) = file.as_ref() {
+                if let Some(t) = g.tokenizer()? {
+                    return Ok(TokenizerSource::Gguf(Box::new(t)));
+                }
+            }
+        }
+        Err(ModelError::invalid_file(
+            &self.dir,
+            "no tokenizer: expected tokenizer.json or GGUF tokenizer metadata",
+        ))
+    }
+
+    /// The model's own Jinja chat template, if it ships one (GGUF metadata
+    /// or `tokenizer_config.json`).
+    pub fn chat_template(&self) -> Result<Option<String>> {
+        if let Some(file) = self.client_gguf()? {
+            if let WeightFile::Gguf(g) = file.as_ref() {
+                return Ok(g.chat_template());
+            }
+        }
+        let path = self.dir.join(TOKENIZER_CONFIG_FILE);
+        if self.single_file.is_some() || !path.is_file() {
+            return Ok(None);
+        }
+        let value: serde_json::Value = read_json(&path)?;
+        Ok(match value.get("chat_template") {
+            Some(serde_json::Value::String(t)) => Some(t.clone()),
+            // A list of named templates: take the default one.
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .or_else(|| list.first())
+                .and_then(|t| t.get("template"))
+                .and_then(|t| t.as_str())
+                .map(str::to_string),
+            _ => None,
+        })
+    }
+
+    /// The GGUF metadata of the file holding `tensor`, for `corolla convert`.
+    pub fn gguf_metadata_of(
+        &self,
+        tensor: &str,
+    ) -> Result<Option<HashMap<String, candle_core::quantized::gguf_file::Value>>> {
+        let Some(file) = self.weight_map.get(tensor) else {
+            return Ok(None);
+        };
+        Ok(match self.mapped(file)?.as_ref() {
+            WeightFile::Gguf(g) => Some(g.metadata().clone()),
+            WeightFile::Safetensors(_) => None,
+        })
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -231,30 +479,37 @@ impl Checkpoint {
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
         let file = self.mapped(file_name)?;
-        let info = file
-            .metadata
-            .info(name)
-            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
-        let range = (
-            file.data_start + info.data_offsets.0,
-            file.data_start + info.data_offsets.1,
-        );
+        let missing = || ModelError::MissingTensor { name: name.into() };
+        let (dtype, shape, range) = match file.as_ref() {
+            WeightFile::Safetensors(f) => {
+                let info = f.metadata.info(name).ok_or_else(missing)?;
+                let range = (
+                    f.data_start + info.data_offsets.0,
+                    f.data_start + info.data_offsets.1,
+                );
+                (RawDType::Safetensors(info.dtype), info.shape.clone(), range)
+            }
+            WeightFile::Gguf(f) => {
+                let info = f.tensors().get(name).ok_or_else(missing)?;
+                (RawDType::Ggml(info.dtype), info.shape.clone(), info.range)
+            }
+        };
         Ok(RawTensor {
-            dtype: info.dtype,
-            shape: info.shape.clone(),
+            dtype,
+            shape,
             range,
             file,
         })
     }
 
-    fn mapped(&self, file_name: &str) -> Result<Arc<MappedFile>> {
+    fn mapped(&self, file_name: &str) -> Result<Arc<WeightFile>> {
         let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = files.get(file_name) {
             return Ok(f.clone());
         }
         let path = self.dir.join(file_name);
         tracing::debug!(path = %path.display(), "mapping weight file");
-        let f = Arc::new(MappedFile::open(&path)?);
+        let f = Arc::new(WeightFile::open(&path)?);
         files.insert(file_name.to_string(), f.clone());
         Ok(f)
     }
@@ -268,14 +523,18 @@ impl Checkpoint {
         device: &Device,
     ) -> Result<Tensor> {
         let raw = self.raw_tensor(name)?;
-        if raw.shape != shape {
-            return Err(ModelError::WrongShape {
-                name: name.into(),
-                expected: shape.to_vec(),
-                actual: raw.shape.clone(),
-            });
-        }
-        let src_dtype = match raw.dtype {
+        check_shape(name, &raw.shape, shape)?;
+        let st_dtype = match raw.dtype {
+            RawDType::Safetensors(t) => t,
+            RawDType::Ggml(_) => {
+                let q = self.qtensor_of(&raw, name, device)?;
+                return Ok(q
+                    .dequantize(device)
+                    .map_err(|e| ModelError::invalid_file(&self.dir, format!("{name}: {e}")))?
+                    .to_dtype(dtype)?);
+            }
+        };
+        let src_dtype = match st_dtype {
             StDtype::F32 => DType::F32,
             StDtype::F16 => DType::F16,
             StDtype::BF16 => DType::BF16,
@@ -288,6 +547,41 @@ impl Checkpoint {
         };
         let t = Tensor::from_raw_buffer(raw.data(), src_dtype, &raw.shape, device)?;
         Ok(t.to_dtype(dtype)?)
+    }
+
+    fn qtensor_of(&self, raw: &RawTensor, name: &str, device: &Device) -> Result<QTensor> {
+        match (raw.file.as_ref(), raw.dtype) {
+            (WeightFile::Gguf(g), RawDType::Ggml(_)) => g.qtensor(name, device),
+            _ => Err(ModelError::UnsupportedTensorDType {
+                name: name.into(),
+                dtype: format!("{:?} (not a GGUF tensor)", raw.dtype),
+            }),
+        }
+    }
+
+    /// A GGUF tensor exactly as stored, whatever the dequantize setting.
+    pub fn stored_qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
+        let raw = self.raw_tensor(name)?;
+        self.qtensor_of(&raw, name, device)
+    }
+
+    /// The tensor in its stored quantization, when it is quantized and the
+    /// checkpoint keeps quantized weights; `None` means "use [`Self::tensor`]".
+    pub fn quantized_tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<Option<QTensor>> {
+        if self.dequantize {
+            return Ok(None);
+        }
+        let raw = self.raw_tensor(name)?;
+        if !raw.dtype.is_quantized() {
+            return Ok(None);
+        }
+        check_shape(name, &raw.shape, shape)?;
+        self.qtensor_of(&raw, name, device).map(Some)
     }
 
     pub fn weights(&self, dtype: DType, device: &Device) -> Weights<'_> {
@@ -310,6 +604,17 @@ impl Checkpoint {
         }
         Ok(())
     }
+}
+
+fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
+    if actual != expected {
+        return Err(ModelError::WrongShape {
+            name: name.into(),
+            expected: expected.to_vec(),
+            actual: actual.to_vec(),
+        });
+    }
+    Ok(())
 }
 
 /// A view of a checkpoint under a name prefix, in a target dtype and device:
@@ -348,8 +653,18 @@ impl<'a> Weights<'a> {
             .tensor(&self.full_name(name), shape, self.dtype, &self.device)
     }
 
+    /// The weight quantized as stored, when it is and the checkpoint keeps it so.
+    pub fn get_quantized(&self, name: &str, shape: &[usize]) -> Result<Option<QTensor>> {
+        self.checkpoint
+            .quantized_tensor(&self.full_name(name), shape, &self.device)
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.checkpoint.contains(&self.full_name(name))
+    }
+
+    pub fn rope_layout(&self) -> RopeLayout {
+        self.checkpoint.rope_layout()
     }
 
     pub fn dtype(&self) -> DType {

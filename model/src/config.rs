@@ -120,6 +120,72 @@ impl LlamaConfig {
         Self::from_raw(raw)
     }
 
+    /// Parameters of the whole model (biases and norms included).
+    pub fn parameter_count(&self) -> u64 {
+        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let q = (self.num_attention_heads * self.head_dim) as u64;
+        let kv = (self.num_key_value_heads * self.head_dim) as u64;
+        let mut layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
+        if self.attention_bias {
+            layer += q + 2 * kv + h;
+        }
+        if self.mlp_bias {
+            layer += 2 * i + h;
+        }
+        let embeddings = self.vocab_size as u64 * h;
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            embeddings
+        };
+        self.num_hidden_layers as u64 * layer + embeddings + head + h
+    }
+
+    /// This config as a Hugging Face `config.json` that [`Self::from_json`]
+    /// reads back unchanged (what `corolla convert` writes for GGUF sources).
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let rope_scaling = match self.rope_scaling {
+            RopeScaling::None => serde_json::Value::Null,
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        };
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+            "torch_dtype": self.torch_dtype,
+        })
+    }
+
     fn from_raw(raw: RawConfig) -> Result<Self> {
         match (&raw.architectures, &raw.model_type) {
             (Some(archs), _) if !archs.is_empty() => {
@@ -317,6 +383,19 @@ mod tests {
         ))
         .unwrap_err();
         assert!(matches!(err, ModelError::UnsupportedArchitecture(a) if a == "GPT2LMHeadModel"));
+    }
+
+    #[test]
+    fn hf_json_round_trips() {
+        for extra in [
+            r#","num_key_value_heads":2,"eos_token_id":[2,7],"bos_token_id":1"#,
+            r#","rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#,
+            r#","rope_scaling":{"type":"linear","factor":2.0},"tie_word_embeddings":true"#,
+        ] {
+            let c = parse(extra).unwrap();
+            let back = LlamaConfig::from_json(&c.to_hf_json().to_string()).unwrap();
+            assert_eq!(back, c);
+        }
     }
 
     #[test]

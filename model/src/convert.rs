@@ -3,17 +3,22 @@
 //! the client part.
 //!
 //! Tensors are copied byte for byte (same names, dtypes and shapes), so a
-//! converted folder computes exactly what its source computes.
+//! converted folder computes exactly what its source computes. A GGUF source
+//! becomes GGUF parts that keep their quantization, each with the source's
+//! metadata (tokenizer and chat template included), plus a `config.json`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::QTensor;
 use safetensors::tensor::TensorView as StView;
 
 use crate::checkpoint::{
-    Checkpoint, CorollaIndex, SpanFile, CONFIG_FILE, COROLLA_INDEX, TOKENIZER_FILE,
+    Checkpoint, CorollaIndex, RawDType, SpanFile, CONFIG_FILE, COROLLA_INDEX, TOKENIZER_FILE,
 };
 use crate::error::{ModelError, Result};
+use crate::gguf::gguf_name;
 use crate::head::{EMBED_TOKENS, FINAL_NORM, LM_HEAD};
 
 /// Files copied unchanged when present beside the weights.
@@ -26,6 +31,7 @@ const SIDE_FILES: &[&str] = &[
 ];
 
 pub const CLIENT_FILE: &str = "client.safetensors";
+pub const CLIENT_GGUF_FILE: &str = "client.gguf";
 
 /// Progress of a conversion, reported after each file.
 #[derive(Debug, Clone)]
@@ -47,6 +53,10 @@ fn layer_of(name: &str) -> Option<usize> {
 
 pub fn span_file_name(start: usize, end: usize) -> String {
     format!("blocks-{start:05}-{end:05}.safetensors")
+}
+
+fn gguf_span_file_name(start: usize, end: usize) -> String {
+    format!("blocks-{start:05}-{end:05}.gguf")
 }
 
 /// Writes the converted layout of `source` into `out`, which must be empty
@@ -73,6 +83,8 @@ pub fn convert(
     }
     std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
 
+    let gguf = source.is_gguf();
+    let client_file = if gguf { CLIENT_GGUF_FILE } else { CLIENT_FILE };
     let num_layers = source.config().num_hidden_layers;
     let spans: Vec<SpanFile> = (0..num_layers)
         .step_by(blocks_per_file)
@@ -81,7 +93,11 @@ pub fn convert(
             SpanFile {
                 start,
                 end,
-                file: span_file_name(start, end),
+                file: if gguf {
+                    gguf_span_file_name(start, end)
+                } else {
+                    span_file_name(start, end)
+                },
             }
         })
         .collect();
@@ -98,7 +114,7 @@ pub fn convert(
             })?;
             span.file.clone()
         } else if [EMBED_TOKENS, FINAL_NORM, LM_HEAD].contains(&name) {
-            CLIENT_FILE.to_string()
+            client_file.to_string()
         } else {
             tracing::warn!(
                 tensor = name,
@@ -108,7 +124,7 @@ pub fn convert(
         };
         groups.entry(file).or_default().push(name.to_string());
     }
-    if !groups.contains_key(CLIENT_FILE) {
+    if !groups.contains_key(client_file) {
         return Err(ModelError::MissingTensor {
             name: EMBED_TOKENS.into(),
         });
@@ -135,23 +151,40 @@ pub fn convert(
         bytes_total,
         last_file: String::new(),
     };
+    let gguf_metadata = if gguf {
+        source.gguf_metadata_of(EMBED_TOKENS)?
+    } else {
+        None
+    };
     for (file, names) in &groups {
         let raws = names
             .iter()
             .map(|n| source.raw_tensor(n))
             .collect::<Result<Vec<_>>>()?;
-        let views = names
-            .iter()
-            .zip(&raws)
-            .map(|(n, r)| {
-                let view = StView::new(r.dtype, r.shape.clone(), r.data())
-                    .map_err(|e| ModelError::invalid_file(source.dir(), format!("{n}: {e}")))?;
-                Ok((n.clone(), view))
-            })
-            .collect::<Result<Vec<_>>>()?;
         let partial = out.join(format!(".{file}.partial"));
-        safetensors::serialize_to_file(views, None, &partial)
-            .map_err(|e| ModelError::invalid_file(&partial, e))?;
+        match &gguf_metadata {
+            Some(metadata) => write_gguf_part(source, names, metadata, &partial)?,
+            None => {
+                let views = names
+                    .iter()
+                    .zip(&raws)
+                    .map(|(n, r)| {
+                        let RawDType::Safetensors(dtype) = r.dtype else {
+                            return Err(ModelError::invalid_file(
+                                source.dir(),
+                                format!("{n}: a GGUF tensor in a safetensors model"),
+                            ));
+                        };
+                        let view = StView::new(dtype, r.shape.clone(), r.data()).map_err(|e| {
+                            ModelError::invalid_file(source.dir(), format!("{n}: {e}"))
+                        })?;
+                        Ok((n.clone(), view))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                safetensors::serialize_to_file(views, None, &partial)
+                    .map_err(|e| ModelError::invalid_file(&partial, e))?;
+            }
+        }
         let path = out.join(file);
         std::fs::rename(&partial, &path).map_err(|e| ModelError::io(&path, e))?;
         for n in names {
@@ -163,11 +196,19 @@ pub fn convert(
         progress(&report);
     }
 
-    for side in SIDE_FILES {
-        let from = source.dir().join(side);
-        if from.is_file() {
-            let to = out.join(side);
-            std::fs::copy(&from, &to).map_err(|e| ModelError::io(&to, e))?;
+    if gguf {
+        // A GGUF file's config lives in its metadata; the folder needs one of its own.
+        let path = out.join(CONFIG_FILE);
+        let json = serde_json::to_string_pretty(&source.config().to_hf_json())
+            .map_err(|e| ModelError::invalid_file(&path, e))?;
+        std::fs::write(&path, json).map_err(|e| ModelError::io(&path, e))?;
+    } else {
+        for side in SIDE_FILES {
+            let from = source.dir().join(side);
+            if from.is_file() {
+                let to = out.join(side);
+                std::fs::copy(&from, &to).map_err(|e| ModelError::io(&to, e))?;
+            }
         }
     }
 
@@ -175,7 +216,7 @@ pub fn convert(
         format: CorollaIndex::FORMAT.into(),
         version: CorollaIndex::VERSION,
         num_layers,
-        client: CLIENT_FILE.into(),
+        client: client_file.into(),
         spans,
         weight_map,
         fingerprint: Some(crate::fingerprint::fingerprint(source)?),
@@ -187,4 +228,36 @@ pub fn convert(
         serde_json::to_string_pretty(&index).map_err(|e| ModelError::invalid_file(&path, e))?;
     std::fs::write(&path, json).map_err(|e| ModelError::io(&path, e))?;
     Ok(index)
+}
+
+/// Writes one GGUF part: `names` (Hugging Face names) in their stored
+/// quantization under their GGUF names, with the source's metadata.
+fn write_gguf_part(
+    source: &Checkpoint,
+    names: &[String],
+    metadata: &std::collections::HashMap<String, Value>,
+    path: &Path,
+) -> Result<()> {
+    let device = candle_core::Device::Cpu;
+    let tensors = names
+        .iter()
+        .map(|n| {
+            let g = gguf_name(n).ok_or_else(|| ModelError::MissingTensor { name: n.clone() })?;
+            Ok((g, source.stored_qtensor(n, &device)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // The writer aligns tensor data its own way; a copied alignment would lie.
+    let mut keys: Vec<&String> = metadata
+        .keys()
+        .filter(|k| k.as_str() != "general.alignment")
+        .collect();
+    keys.sort_unstable();
+    let metadata: Vec<(&str, &Value)> = keys.iter().map(|k| (k.as_str(), &metadata[*k])).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let file = std::fs::File::create(path).map_err(|e| ModelError::io(path, e))?;
+    let mut writer = std::io::BufWriter::new(file);
+    gguf_file::write(&mut writer, &metadata, &tensors)
+        .map_err(|e| ModelError::invalid_file(path, e))?;
+    use std::io::Write;
+    writer.flush().map_err(|e| ModelError::io(path, e))
 }

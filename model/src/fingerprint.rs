@@ -116,13 +116,18 @@ pub fn fingerprint(checkpoint: &Checkpoint) -> Result<String> {
 }
 
 /// The model's default name in the DHT: the name stored by `corolla convert`,
-/// else the model folder's name.
+/// else the GGUF file's stem or the model folder's name.
 pub fn default_model_name(checkpoint: &Checkpoint) -> String {
     if let Some(name) = checkpoint
         .corolla_index()
         .and_then(|i| i.model_name.clone())
     {
         return name;
+    }
+    if let Some(file) = checkpoint.single_file() {
+        if let Some(stem) = file.file_stem() {
+            return stem.to_string_lossy().into_owned();
+        }
     }
     checkpoint
         .dir()

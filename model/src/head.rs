@@ -1,11 +1,12 @@
 //! The client's part of the model: token embeddings, final RMSNorm, LM head.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear, RmsNorm};
+use candle_nn::{Embedding, RmsNorm};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::linear::Linear;
 use crate::span::rms_norm;
 
 pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
@@ -29,15 +30,25 @@ impl ClientHead {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embeddings = w.get(EMBED_TOKENS, &[v, h])?;
         // Some checkpoints with tied embeddings still ship lm_head; prefer it when present.
-        let lm_head = if cfg.tie_word_embeddings && !w.contains(LM_HEAD) {
-            embeddings.clone()
+        let head_name = if cfg.tie_word_embeddings && !w.contains(LM_HEAD) {
+            EMBED_TOKENS
         } else {
-            w.get(LM_HEAD, &[v, h])?
+            LM_HEAD
+        };
+        // Tied: the dense embeddings are at hand, and multiplying by them
+        // costs no memory and no activation quantization.
+        let lm_head = if head_name == EMBED_TOKENS {
+            Linear::dense(embeddings.clone(), None)
+        } else {
+            match w.get_quantized(head_name, &[v, h])? {
+                Some(q) => Linear::quantized(q, None)?,
+                None => Linear::dense(w.get(head_name, &[v, h])?, None),
+            }
         };
         Ok(ClientHead {
             embed_tokens: Embedding::new(embeddings, h),
             norm: rms_norm(&w, "model.norm", cfg)?,
-            lm_head: Linear::new(lm_head, None),
+            lm_head,
             config: cfg.clone(),
             dtype,
             device: device.clone(),

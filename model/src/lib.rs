@@ -5,7 +5,8 @@
 //! the [`ClientHead`] (embeddings, final norm, LM head) that the client keeps.
 //! Chaining spans `[0, a) + [a, b) + … + [c, L)` computes exactly what the
 //! whole model computes. Weights load lazily from a [`Checkpoint`]: a
-//! Hugging Face folder or the layout written by [`convert::convert`].
+//! Hugging Face folder, a GGUF file (kept quantized) or the layout written
+//! by [`convert::convert`].
 
 pub mod checkpoint;
 pub mod config;
@@ -13,14 +14,16 @@ pub mod convert;
 pub mod dtype;
 mod error;
 pub mod fingerprint;
+pub mod gguf;
 pub mod head;
+mod linear;
 pub mod random;
-mod rope;
+pub mod rope;
 pub mod sampler;
 pub mod span;
 pub mod wire;
 
-pub use checkpoint::Checkpoint;
+pub use checkpoint::{Checkpoint, QuantizedWeights, TokenizerSource};
 pub use config::LlamaConfig;
 pub use dtype::ModelDType;
 pub use error::{ModelError, Result};

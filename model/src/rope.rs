@@ -1,5 +1,5 @@
-//! Rotary position embeddings in the Hugging Face (rotate-half) layout,
-//! with the "linear" and "llama3" frequency scalings.
+//! Rotary position embeddings in the Hugging Face (rotate-half) layout or
+//! GGUF's interleaved one, with the "linear" and "llama3" frequency scalings.
 
 use std::f64::consts::PI;
 
@@ -8,12 +8,22 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 
+/// Which dimensions of a head rotate together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Hugging Face: dimension `i` pairs with `i + head_dim / 2`.
+    Halves,
+    /// GGUF (llama.cpp permutes Q/K rows): dimension `2i` pairs with `2i + 1`.
+    Interleaved,
+}
+
 /// Precomputed cos/sin tables for every position the model supports.
 #[derive(Debug, Clone)]
 pub(crate) struct Rope {
     cos: Tensor,
     sin: Tensor,
     max_positions: usize,
+    layout: RopeLayout,
 }
 
 fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
@@ -52,7 +62,12 @@ fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
 }
 
 impl Rope {
-    pub fn new(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn new(
+        cfg: &LlamaConfig,
+        layout: RopeLayout,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let inv_freq = inverse_frequencies(cfg);
         let half = inv_freq.len();
         let positions = cfg.max_position_embeddings;
@@ -73,6 +88,7 @@ impl Rope {
             cos,
             sin,
             max_positions: positions,
+            layout,
         })
     }
 
@@ -88,7 +104,11 @@ impl Rope {
         }
         let cos = self.cos.narrow(0, start, t)?;
         let sin = self.sin.narrow(0, start, t)?;
-        Ok(candle_nn::rotary_emb::rope(&x.contiguous()?, &cos, &sin)?)
+        let x = x.contiguous()?;
+        Ok(match self.layout {
+            RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+        })
     }
 }
 

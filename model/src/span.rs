@@ -4,22 +4,16 @@
 //! preallocated for its maximum length, written in place at each step.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Linear, RmsNorm};
+use candle_nn::RmsNorm;
 
 use crate::checkpoint::{Checkpoint, Weights};
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::linear::Linear;
 use crate::rope::Rope;
 
 fn linear(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
-    let w = w.pp(name);
-    let weight = w.get("weight", &[out_dim, in_dim])?;
-    let bias = if bias {
-        Some(w.get("bias", &[out_dim])?)
-    } else {
-        None
-    };
-    Ok(Linear::new(weight, bias))
+    Linear::load(&w.pp(name), out_dim, in_dim, bias)
 }
 
 pub(crate) fn rms_norm(w: &Weights, name: &str, cfg: &LlamaConfig) -> Result<RmsNorm> {
@@ -232,7 +226,7 @@ impl BlockSpan {
             start,
             end,
             layers,
-            rope: Rope::new(cfg, dtype, device)?,
+            rope: Rope::new(cfg, checkpoint.rope_layout(), dtype, device)?,
             config: cfg.clone(),
             dtype,
             device: device.clone(),

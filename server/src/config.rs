@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Parser;
-use corolla_model::ModelDType;
+use corolla_model::{ModelDType, QuantizedWeights};
 use libp2p::Multiaddr;
 
 /// Blocks `A:B`, meaning layers `[A, B)`.
@@ -79,7 +79,8 @@ pub struct ServerArgs {
     /// TOML file with settings named like the flags (e.g. `port = 31337`).
     #[arg(long, env = "COROLLA_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Model folder (Hugging Face layout or `corolla convert` output).
+    /// Model: a folder (Hugging Face layout or `corolla convert` output), a
+    /// GGUF file, or a Hugging Face repo id (owner/name).
     #[arg(long, env = "COROLLA_MODEL")]
     pub model: PathBuf,
     /// The model's name in the DHT; defaults to one derived from the model.
@@ -110,6 +111,10 @@ pub struct ServerArgs {
     /// Compute dtype: auto, f32, f16 or bf16.
     #[arg(long, env = "COROLLA_DTYPE", default_value = "auto")]
     pub dtype: ModelDType,
+    /// Quantized (GGUF) weights: keep (least memory), dequantize (exact
+    /// float math) or auto (dequantize models of at most 2 GiB in f32).
+    #[arg(long, env = "COROLLA_QUANTIZED", default_value = "auto")]
+    pub quantized: QuantizedWeights,
     /// File holding this server's key, created if absent, for a stable peer id.
     #[arg(long, env = "COROLLA_IDENTITY")]
     pub identity: Option<PathBuf>,

@@ -13,6 +13,7 @@ use crate::server::ServerError;
 
 /// Where `--model` points.
 pub enum ModelSource {
+    /// A local folder or GGUF file.
     Folder(PathBuf),
     Hub {
         id: String,
@@ -37,16 +38,16 @@ fn hub_error(what: &str, e: impl std::fmt::Display) -> ServerError {
 }
 
 impl ModelSource {
-    /// A local folder as is; otherwise a repo id, whose config and weight
-    /// index are downloaded now.
+    /// A local folder or GGUF file as is; otherwise a repo id, whose config
+    /// and weight index are downloaded now.
     pub fn resolve(model: &Path) -> Result<Self, ServerError> {
-        if model.is_dir() {
+        if model.is_dir() || model.is_file() {
             return Ok(ModelSource::Folder(model.to_path_buf()));
         }
         let id = model.to_string_lossy();
         if model.exists() || !looks_like_repo_id(&id) {
             return Err(ServerError::Config(format!(
-                "model folder {} does not exist (and it is not a Hugging Face repo id like owner/name)",
+                "model {} is neither a folder nor a file (nor a Hugging Face repo id like owner/name)",
                 model.display()
             )));
         }

@@ -181,7 +181,8 @@ impl Server {
                 .await
                 .map_err(|e| ServerError::Config(e.to_string()))??
         };
-        let checkpoint = Arc::new(Checkpoint::open(source.dir())?);
+        let checkpoint =
+            Arc::new(Checkpoint::open(source.dir())?.with_quantized_weights(args.quantized));
         let config = checkpoint.config().clone();
         let num_layers = config.num_hidden_layers;
         let model = args

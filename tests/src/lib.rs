@@ -19,6 +19,56 @@ pub fn tiny_llama_fp16() -> PathBuf {
     fixtures_dir().join("tiny-llama-a-fp16")
 }
 
+/// The default model (SmolLM2-135M-Instruct, Q4_1 GGUF), if fetched: the
+/// README's test command fetches it (`corolla fetch-model`). Tests that need
+/// it say so loudly and pass vacuously without it.
+pub fn default_model() -> Option<PathBuf> {
+    let path = std::env::var_os("COROLLA_DEFAULT_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            corolla_client::models::cached_path(&corolla_client::models::DEFAULT_MODEL)
+        });
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIPPED: the default model is not at {} (run `corolla fetch-model`)",
+            path.display()
+        );
+        None
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct SmolRun {
+    pub prompt: String,
+    pub chat: bool,
+    pub rendered: String,
+    pub input_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    pub generated_text: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizerCase {
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+/// Ground truth for the default model from `tests/reference/smollm2_reference.py`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SmolReference {
+    pub tokenizer_cases: Vec<TokenizerCase>,
+    pub runs: Vec<SmolRun>,
+}
+
+impl SmolReference {
+    pub fn load() -> Self {
+        let path = fixtures_dir().join("smollm2").join("reference.json");
+        serde_json::from_slice(&std::fs::read(path).expect("smollm2 reference")).expect("json")
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct GoldenPrompt {
     pub prompt: String,
@@ -195,4 +245,118 @@ pub async fn start_server(
     corolla_server::Server::start(args)
         .await
         .expect("server starts")
+}
+
+/// Writes the tiny Llama fixture as a GGUF file the way llama.cpp's
+/// converter does: Q and K rows permuted into the interleaved rotary layout,
+/// `llama.*` metadata, and its byte-level BPE tokenizer as `gpt2` metadata.
+/// With `quantize`, the projections whose rows are whole Q8_0 blocks become
+/// Q8_0 (the rest stays F32).
+pub fn write_tiny_gguf(path: &Path, quantize: bool, chat_template: Option<&str>) {
+    use candle_core::quantized::gguf_file::{self, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+
+    let source = tiny_llama();
+    let cfg = read_config(&source);
+    let heads = cfg["num_attention_heads"].as_u64().expect("heads") as usize;
+    let kv_heads = cfg["num_key_value_heads"].as_u64().expect("kv heads") as usize;
+    let weights = read_weights(&source);
+    let mut names: Vec<&String> = weights.keys().collect();
+    names.sort();
+    let tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|hf| {
+            let w = &weights[hf];
+            let permute_heads = if hf.ends_with("q_proj.weight") {
+                Some(heads)
+            } else if hf.ends_with("k_proj.weight") {
+                Some(kv_heads)
+            } else {
+                None
+            };
+            // llama.cpp: reshape(n_head, 2, rows / n_head / 2, cols).swapaxes(1, 2)
+            let w = match permute_heads {
+                Some(n) => {
+                    let (rows, cols) = w.dims2().expect("2-d");
+                    w.reshape((n, 2, rows / n / 2, cols))
+                        .and_then(|t| t.transpose(1, 2))
+                        .and_then(|t| t.reshape((rows, cols)))
+                        .expect("permute")
+                }
+                None => w.clone(),
+            };
+            let cols = *w.dims().last().expect("dims");
+            let dtype = if quantize && w.rank() == 2 && cols % 32 == 0 && hf.contains(".layers.") {
+                GgmlDType::Q8_0
+            } else {
+                GgmlDType::F32
+            };
+            let name = corolla_model::gguf::gguf_name(hf).expect("a Llama tensor");
+            (name, QTensor::quantize(&w, dtype).expect("quantize"))
+        })
+        .collect();
+
+    let tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(source.join("tokenizer.json")).expect("tokenizer"))
+            .expect("json");
+    let vocab = tok["model"]["vocab"].as_object().expect("vocab");
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().expect("id") as usize] = t.clone();
+    }
+    let mut types = vec![1i32; tokens.len()];
+    for added in tok["added_tokens"].as_array().expect("added") {
+        types[added["id"].as_u64().expect("id") as usize] = 3;
+    }
+    let merges: Vec<String> = tok["model"]["merges"]
+        .as_array()
+        .expect("merges")
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(s) => s.clone(),
+            pair => format!(
+                "{} {}",
+                pair[0].as_str().unwrap(),
+                pair[1].as_str().unwrap()
+            ),
+        })
+        .collect();
+    let u32v = |k: &str| Value::U32(cfg[k].as_u64().expect(k) as u32);
+    let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
+    let mut metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", u32v("num_hidden_layers")),
+        ("llama.context_length", u32v("max_position_embeddings")),
+        ("llama.embedding_length", u32v("hidden_size")),
+        ("llama.feed_forward_length", u32v("intermediate_size")),
+        ("llama.attention.head_count", u32v("num_attention_heads")),
+        ("llama.attention.head_count_kv", u32v("num_key_value_heads")),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
+        ),
+        (
+            "llama.rope.freq_base",
+            Value::F32(cfg["rope_theta"].as_f64().unwrap() as f32),
+        ),
+        ("llama.vocab_size", u32v("vocab_size")),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("default".into())),
+        ("tokenizer.ggml.tokens", strings(tokens)),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
+        ("tokenizer.ggml.merges", strings(merges)),
+        ("tokenizer.ggml.bos_token_id", u32v("bos_token_id")),
+        ("tokenizer.ggml.eos_token_id", u32v("eos_token_id")),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+    ];
+    if let Some(t) = chat_template {
+        metadata.push(("tokenizer.chat_template", Value::String(t.into())));
+    }
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut file = std::fs::File::create(path).expect("create gguf");
+    gguf_file::write(&mut file, &metadata, &tensors).expect("write gguf");
 }

@@ -1,0 +1,440 @@
+//! `corolla chat` and `corolla demo`: a multi-turn conversation in the
+//! terminal, tokens streamed as they come, Ctrl-C stopping an answer; the
+//! demo first starts a local swarm of `corolla-server` processes.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use corolla_model::{ModelDType, QuantizedWeights};
+use libp2p::Multiaddr;
+use serde::Deserialize;
+use tokio::sync::{mpsc, Notify};
+
+use crate::chat::ChatMessage;
+use crate::cli::{runtime, Answer, Assistant, ModelArgs, SamplingArgs, SwarmArgs};
+use crate::generate::{GenerateRequest, StopReason};
+use crate::text::TextStream;
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Run every block in this process.
+    #[arg(long, conflicts_with = "initial_peers")]
+    local: bool,
+    #[command(flatten)]
+    swarm: SwarmArgs,
+    #[command(flatten)]
+    chat: ChatOptions,
+}
+
+#[derive(Args, Debug, Clone)]
+struct ChatOptions {
+    /// A system prompt opening the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Longest answer, in tokens.
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// A model folder or GGUF file instead of the default SmolLM2-135M-Instruct.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Servers in the local swarm; the blocks are split evenly between them.
+    #[arg(long, default_value_t = 3)]
+    servers: usize,
+    /// Quantized (GGUF) weights, for the servers and the client alike.
+    #[arg(long, default_value = "auto")]
+    quantized: QuantizedWeights,
+    /// Ask this one question, print the answer and stop, instead of chatting.
+    #[arg(long)]
+    prompt: Option<String>,
+    #[command(flatten)]
+    chat: ChatOptions,
+}
+
+pub fn run_chat(args: ChatArgs) -> Result<()> {
+    let rt = runtime()?;
+    let assistant = rt.block_on(Assistant::open(&args.model, args.local, &args.swarm))?;
+    print_ready(&assistant);
+    chat_loop(&rt, &assistant, &args.chat, None)
+}
+
+fn print_ready(assistant: &Assistant) {
+    if std::io::stdin().is_terminal() {
+        eprintln!("Type a message and press Enter. Ctrl-C stops an answer; Ctrl-D (or Ctrl-C at the prompt) quits.");
+    }
+    tracing::debug!(template = assistant.template.kind, "chat template");
+}
+
+/// What the chat loop reads: lines from stdin, or a quit request.
+enum Input {
+    Line(String),
+    Quit,
+}
+
+/// Runs the conversation until end of input or Ctrl-C at the prompt; with
+/// `single`, answers that one message and returns.
+fn chat_loop(
+    rt: &tokio::runtime::Runtime,
+    assistant: &Assistant,
+    opts: &ChatOptions,
+    single: Option<String>,
+) -> Result<()> {
+    let interactive = single.is_none() && std::io::stdin().is_terminal();
+    let (lines_tx, mut lines_rx) = mpsc::channel::<String>(1);
+    match single {
+        Some(line) => {
+            let _ = lines_tx.try_send(line);
+            drop(lines_tx);
+        }
+        None => {
+            std::thread::spawn(move || {
+                for line in std::io::stdin().lock().lines() {
+                    let Ok(line) = line else { break };
+                    if lines_tx.blocking_send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    }
+    let generating = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let quit = Arc::new(Notify::new());
+    rt.block_on(async {
+        {
+            let (generating, stop, quit) = (generating.clone(), stop.clone(), quit.clone());
+            tokio::spawn(async move {
+                while tokio::signal::ctrl_c().await.is_ok() {
+                    if generating.load(Ordering::SeqCst) {
+                        stop.store(true, Ordering::SeqCst);
+                    } else {
+                        quit.notify_one();
+                    }
+                }
+            });
+        }
+        let mut messages: Vec<ChatMessage> = opts
+            .system
+            .iter()
+            .map(|s| ChatMessage::new("system", s.clone()))
+            .collect();
+        loop {
+            if interactive {
+                eprint!("> ");
+                let _ = std::io::stderr().flush();
+            }
+            let input = tokio::select! {
+                line = lines_rx.recv() => line.map_or(Input::Quit, Input::Line),
+                _ = quit.notified() => Input::Quit,
+            };
+            let line = match input {
+                Input::Quit => {
+                    if interactive {
+                        eprintln!();
+                    }
+                    return Ok(());
+                }
+                Input::Line(line) => line.trim().to_string(),
+            };
+            if line.is_empty() {
+                continue;
+            }
+            messages.push(ChatMessage::user(line));
+            let prompt_ids = match fit_prompt(assistant, &mut messages, opts.max_new_tokens) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    messages.pop();
+                    continue;
+                }
+            };
+            let request = GenerateRequest {
+                prompt_ids,
+                max_new_tokens: opts.max_new_tokens,
+                sampling: opts.sampling.params(),
+                stop_at_eos: true,
+            };
+            stop.store(false, Ordering::SeqCst);
+            generating.store(true, Ordering::SeqCst);
+            let answer = stream_answer(assistant, &request, &stop).await;
+            generating.store(false, Ordering::SeqCst);
+            match answer {
+                Ok((text, answer)) => {
+                    report(&answer);
+                    messages.push(ChatMessage::assistant(text.trim().to_string()));
+                }
+                Err(e) => {
+                    eprintln!("\nerror: {e:#}");
+                    messages.pop();
+                }
+            }
+        }
+    })
+}
+
+/// The prompt ids for `messages`, dropping the oldest turns (never the
+/// system prompt or the newest message) until the answer fits the model.
+fn fit_prompt(
+    assistant: &Assistant,
+    messages: &mut Vec<ChatMessage>,
+    max_new_tokens: usize,
+) -> Result<Vec<u32>> {
+    let max = assistant.checkpoint.config().max_position_embeddings;
+    loop {
+        let ids = assistant.chat_prompt(messages)?;
+        if ids.len() + max_new_tokens <= max {
+            return Ok(ids);
+        }
+        let first = usize::from(messages.first().is_some_and(|m| m.role == "system"));
+        if messages.len() - first <= 1 {
+            bail!(
+                "the message takes {} tokens; with {max_new_tokens} for the answer that exceeds the model's {max}",
+                ids.len()
+            );
+        }
+        messages.remove(first);
+    }
+}
+
+async fn stream_answer(
+    assistant: &Assistant,
+    request: &GenerateRequest,
+    stop: &AtomicBool,
+) -> Result<(String, Answer)> {
+    let tokenizer = &assistant.tokenizer;
+    let mut stream = TextStream::default();
+    let mut stdout = std::io::stdout();
+    let mut text = String::new();
+    let answer = assistant
+        .answer(request, |token| {
+            if stop.load(Ordering::SeqCst) {
+                return ControlFlow::Break(());
+            }
+            if let Ok(Some(piece)) = stream.push(tokenizer, token) {
+                text.push_str(&piece);
+                let _ = write!(stdout, "{piece}");
+                let _ = stdout.flush();
+            }
+            ControlFlow::Continue(())
+        })
+        .await?;
+    println!();
+    Ok((text, answer))
+}
+
+fn report(answer: &Answer) {
+    let out = &answer.output;
+    let mut line = format!(
+        "[{} tokens, {:.1} tokens/s",
+        out.generated_ids.len(),
+        out.tokens_per_second()
+    );
+    if let Some((route, recoveries)) = &answer.route {
+        let hops: Vec<String> = route
+            .iter()
+            .map(|h| {
+                let id = h.peer_id.to_string();
+                let short = &id[id.len().saturating_sub(6)..];
+                format!("…{short} {}..{}", h.start, h.end)
+            })
+            .collect();
+        line.push_str(&format!(", servers: {}", hops.join(", ")));
+        if !recoveries.is_empty() {
+            line.push_str(&format!(
+                ", {} server(s) lost and replaced",
+                recoveries.len()
+            ));
+        }
+    }
+    if out.stop_reason == StopReason::Cancelled {
+        line.push_str(", stopped");
+    }
+    eprintln!("{line}]");
+}
+
+/// `corolla-server` processes of the demo, stopped when dropped.
+struct LocalSwarm {
+    children: Vec<Child>,
+    dir: PathBuf,
+}
+
+impl Drop for LocalSwarm {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[derive(Deserialize)]
+struct AddrFile {
+    addrs: Vec<String>,
+}
+
+/// The `corolla-server` binary: beside this one, else on the PATH.
+fn server_binary() -> PathBuf {
+    let name = format!("corolla-server{}", std::env::consts::EXE_SUFFIX);
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join(&name)))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// Splits `num_layers` into `parts` contiguous spans as even as possible.
+fn even_spans(num_layers: usize, parts: usize) -> Vec<(usize, usize)> {
+    let parts = parts.clamp(1, num_layers.max(1));
+    (0..parts)
+        .map(|i| (i * num_layers / parts, (i + 1) * num_layers / parts))
+        .collect()
+}
+
+impl LocalSwarm {
+    fn start(model: &Path, num_layers: usize, servers: usize, quantized: &str) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("corolla-demo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let mut swarm = LocalSwarm {
+            children: Vec::new(),
+            dir,
+        };
+        let binary = server_binary();
+        let spans = even_spans(num_layers, servers);
+        for (i, (start, end)) in spans.iter().enumerate() {
+            eprintln!(
+                "starting server {}/{} (blocks {start}..{end})...",
+                i + 1,
+                spans.len()
+            );
+            let addr_file = swarm.dir.join(format!("server-{i}.json"));
+            let log = swarm.dir.join(format!("server-{i}.log"));
+            let mut cmd = Command::new(&binary);
+            cmd.arg("--model")
+                .arg(model)
+                .args(["--block-indices", &format!("{start}:{end}")])
+                .args(["--host", "127.0.0.1", "--port", "0"])
+                .args(["--quantized", quantized])
+                .arg("--addr-file")
+                .arg(&addr_file)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log)?);
+            if i == 0 {
+                cmd.arg("--new-swarm");
+            } else {
+                cmd.args(["--initial-peers", &swarm.bootstrap()?.to_string()]);
+            }
+            // Their own process group: Ctrl-C stops an answer, not the servers.
+            #[cfg(unix)]
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+            let child = cmd
+                .spawn()
+                .with_context(|| format!("cannot start {}", binary.display()))?;
+            swarm.children.push(child);
+            swarm.wait_for_addr_file(&addr_file, &log)?;
+        }
+        Ok(swarm)
+    }
+
+    fn wait_for_addr_file(&mut self, path: &Path, log: &Path) -> Result<()> {
+        let started = Instant::now();
+        loop {
+            if path.is_file() {
+                return Ok(());
+            }
+            let child = self
+                .children
+                .last_mut()
+                .ok_or_else(|| anyhow!("no server"))?;
+            if let Some(status) = child.try_wait()? {
+                let log = std::fs::read_to_string(log).unwrap_or_default();
+                bail!("a server exited ({status}) while starting:\n{log}");
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                bail!("a server did not start within 10 minutes");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn bootstrap(&self) -> Result<Multiaddr> {
+        let text = std::fs::read_to_string(self.dir.join("server-0.json"))?;
+        let file: AddrFile = serde_json::from_str(&text)?;
+        file.addrs
+            .iter()
+            .filter_map(|a| a.parse::<Multiaddr>().ok())
+            .find(|a| {
+                let a = a.to_string();
+                a.contains("/tcp/") && !a.contains("/ws")
+            })
+            .ok_or_else(|| anyhow!("the first server announced no TCP address"))
+    }
+}
+
+pub fn run_demo(args: DemoArgs) -> Result<()> {
+    let model = ModelArgs {
+        model: args.model.clone(),
+        dtype: ModelDType::Auto,
+        quantized: args.quantized,
+    };
+    let path = model.path()?;
+    let num_layers = crate::cli::open_checkpoint(&path)?
+        .config()
+        .num_hidden_layers;
+    let quantized = match args.quantized {
+        QuantizedWeights::Auto => "auto",
+        QuantizedWeights::Keep => "keep",
+        QuantizedWeights::Dequantize => "dequantize",
+    };
+    let swarm = LocalSwarm::start(&path, num_layers, args.servers, quantized)?;
+    let bootstrap = swarm.bootstrap()?;
+    eprintln!("local swarm ready; bootstrap address {bootstrap}");
+    let swarm_args = SwarmArgs {
+        initial_peers: vec![bootstrap],
+        model_name: None,
+        discovery_timeout: Duration::from_secs(60),
+        step_timeout: Duration::from_secs(120),
+        max_retries: 8,
+        allowed_servers: Vec::new(),
+        blocked_servers: Vec::new(),
+    };
+    let model = ModelArgs {
+        model: Some(path),
+        ..model
+    };
+    let rt = runtime()?;
+    let assistant = rt.block_on(Assistant::open(&model, false, &swarm_args))?;
+    if args.prompt.is_none() {
+        print_ready(&assistant);
+    }
+    let result = chat_loop(&rt, &assistant, &args.chat, args.prompt.clone());
+    drop(swarm);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::even_spans;
+
+    #[test]
+    fn spans_split_evenly_and_cover_all_blocks() {
+        assert_eq!(even_spans(30, 3), vec![(0, 10), (10, 20), (20, 30)]);
+        assert_eq!(even_spans(4, 3), vec![(0, 1), (1, 2), (2, 4)]);
+        assert_eq!(even_spans(2, 5), vec![(0, 1), (1, 2)]);
+    }
+}
