@@ -128,3 +128,62 @@ impl ChatTemplate {
             .map_err(|e| ClientError::Tokenizer(format!("chat template: {e}")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_tokenizer::tests::spm;
+
+    fn conversation() -> Vec<ChatMessage> {
+        vec![
+            ChatMessage::new("system", "Be brief. "),
+            ChatMessage::user("Hi"),
+            ChatMessage::assistant("Hello"),
+            ChatMessage::user(" Again"),
+        ]
+    }
+
+    #[test]
+    fn llama2_is_the_fallback_without_chatml_tokens() {
+        let tok = TextTokenizer::from_gguf(&spm(&[])).unwrap();
+        let t = ChatTemplate::new(None, &tok, Some(1), Some(2)).unwrap();
+        assert_eq!(t.kind, "llama2");
+        assert_eq!(
+            t.render(&conversation(), true).unwrap(),
+            "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello </s><s>[INST] Again [/INST]"
+        );
+        let err = t
+            .render(&[ChatMessage::assistant("first")], true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("alternate"), "{err}");
+    }
+
+    #[test]
+    fn chatml_is_the_fallback_when_the_vocabulary_has_it() {
+        let tok = TextTokenizer::from_gguf(&spm(&["<|im_start|>", "<|im_end|>"])).unwrap();
+        let t = ChatTemplate::new(None, &tok, Some(1), Some(2)).unwrap();
+        assert_eq!(t.kind, "chatml");
+        assert_eq!(
+            t.render(&conversation()[1..2], true).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            t.render(&conversation()[1..2], false).unwrap(),
+            "<|im_start|>user\nHi<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn model_templates_get_python_methods_and_special_tokens() {
+        let tok = TextTokenizer::from_gguf(&spm(&[])).unwrap();
+        let source = "{{ bos_token }}{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'].strip() }}\n{% endfor %}{{ eos_token }}";
+        let t = ChatTemplate::new(Some(source), &tok, Some(1), Some(2)).unwrap();
+        assert_eq!(t.kind, "model");
+        assert_eq!(
+            t.render(&conversation()[..2], false).unwrap(),
+            "<s>SYSTEM: Be brief.\nUSER: Hi\n</s>"
+        );
+        assert!(ChatTemplate::new(Some("{% for %}"), &tok, None, None).is_err());
+    }
+}

@@ -192,3 +192,94 @@ pub fn tokenizer_json(t: &GgufTokenizer) -> Result<String, ClientError> {
     };
     Ok(value.to_string())
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::text::TextTokenizer;
+
+    const PIECES: &[&str] = &[
+        "\u{2581}",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "\u{2581}h",
+        "\u{2581}he",
+        "ll",
+        "llo",
+        "\u{2581}hello",
+        "\u{2581}w",
+        "or",
+        "\u{2581}wor",
+        "ld",
+        "\u{2581}world",
+    ];
+
+    /// A small SentencePiece vocabulary as llama.cpp's GGUF files store one:
+    /// `<unk> <s> </s>`, 256 byte tokens, pieces, and `extra` control tokens.
+    pub(crate) fn spm(extra: &[&str]) -> GgufTokenizer {
+        let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+        let mut types = vec![2, 3, 3];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        types.extend([GgufTokenizer::BYTE; 256]);
+        tokens.extend(PIECES.iter().map(|p| p.to_string()));
+        types.extend(PIECES.iter().map(|_| 1));
+        tokens.extend(extra.iter().map(|p| p.to_string()));
+        types.extend(extra.iter().map(|_| GgufTokenizer::CONTROL));
+        let scores = (0..tokens.len()).map(|i| -(i as f32)).collect();
+        GgufTokenizer {
+            model: "llama".into(),
+            pre: None,
+            tokens,
+            token_types: types,
+            scores,
+            merges: Vec::new(),
+            bos_token_id: Some(1),
+            eos_token_id: Some(2),
+            unknown_token_id: Some(0),
+            add_bos_token: None,
+            add_space_prefix: None,
+        }
+    }
+
+    fn id(piece: &str) -> u32 {
+        259 + PIECES.iter().position(|p| *p == piece).unwrap() as u32
+    }
+
+    #[test]
+    fn sentencepiece_merges_follow_the_vocabulary_and_fall_back_to_bytes() {
+        let tok = TextTokenizer::from_gguf(&spm(&[])).unwrap();
+        assert_eq!(
+            tok.encode("hello world").unwrap(),
+            vec![1, id("\u{2581}hello"), id("\u{2581}world")]
+        );
+        // "é" is not a piece: its UTF-8 bytes 0xC3 0xA9 become byte tokens.
+        let ids = tok.encode("hé").unwrap();
+        assert_eq!(ids, vec![1, id("\u{2581}h"), 3 + 0xC3, 3 + 0xA9]);
+        assert_eq!(tok.decode(&ids).unwrap(), "hé");
+        assert_eq!(
+            tok.decode(&tok.encode("hello world").unwrap()).unwrap(),
+            "hello world"
+        );
+        assert_eq!(
+            tok.encode_chat("<s>hello").unwrap(),
+            vec![1, id("\u{2581}hello")]
+        );
+    }
+
+    #[test]
+    fn unsupported_kinds_are_named() {
+        let mut t = spm(&[]);
+        t.model = "bert".into();
+        let err = tokenizer_json(&t).unwrap_err().to_string();
+        assert!(err.contains("\"bert\""), "{err}");
+        t.model = "gpt2".into();
+        t.pre = Some("mystery".into());
+        let err = tokenizer_json(&t).unwrap_err().to_string();
+        assert!(err.contains("\"mystery\""), "{err}");
+    }
+}

@@ -224,7 +224,16 @@ pub async fn start_server(
     join: Option<&str>,
     extra: &[&str],
 ) -> corolla_server::RunningServer {
-    let model = tiny_llama();
+    start_model_server(&tiny_llama(), blocks, join, extra).await
+}
+
+/// [`start_server`] for any model folder or GGUF file.
+pub async fn start_model_server(
+    model: &Path,
+    blocks: &str,
+    join: Option<&str>,
+    extra: &[&str],
+) -> corolla_server::RunningServer {
     let mut args: Vec<String> = [
         "corolla-server",
         "--model",

@@ -1,0 +1,203 @@
+//! The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) end to end: the
+//! `corolla` commands a user runs first, through real servers.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use corolla_tests::{corolla_bin, default_model, start_model_server, SmolReference};
+use serde_json::Value;
+
+const FRANCE: &str = "What is the capital of France?";
+
+fn corolla(args: &[&str]) -> std::process::Output {
+    let out = Command::new(corolla_bin())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run corolla");
+    assert!(
+        out.status.success(),
+        "corolla {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn generate_json(model: &Path, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--json",
+        "--max-new-tokens",
+        "24",
+    ];
+    args.extend_from_slice(extra);
+    serde_json::from_slice(&corolla(&args).stdout).expect("json")
+}
+
+#[test]
+fn generate_answers_the_capital_of_france_with_paris() {
+    let Some(model) = default_model() else { return };
+    let out = generate_json(&model, &["--local", "--chat", "--prompt", FRANCE]);
+    let text = out["text"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+    let reference = &SmolReference::load().runs[0];
+    let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+    assert_eq!(ids, reference.generated_ids);
+    assert_eq!(out["stop_reason"], "end_of_sequence");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_servers_of_ten_blocks_give_the_reference_tokens() {
+    let Some(model) = default_model() else { return };
+    let extra = ["--update-period", "5s"];
+    let first = start_model_server(&model, "0:10", None, &extra).await;
+    let peer = first.tcp_addr().expect("tcp address").to_string();
+    let second = start_model_server(&model, "10:20", Some(&peer), &extra).await;
+    let third = start_model_server(&model, "20:30", Some(&peer), &extra).await;
+    let reference = SmolReference::load();
+    let model2 = model.clone();
+    let outputs = tokio::task::spawn_blocking(move || {
+        reference
+            .runs
+            .iter()
+            .map(|run| {
+                let mut args = vec!["--initial-peers", &peer, "--prompt", &run.prompt];
+                if run.chat {
+                    args.push("--chat");
+                }
+                (run.clone(), generate_json(&model2, &args))
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    for (run, out) in outputs {
+        let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+        assert_eq!(ids, run.generated_ids, "{:?}", run.prompt);
+        let spans: Vec<(u64, u64)> = out["route"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| (h["start"].as_u64().unwrap(), h["end"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(spans, vec![(0, 10), (10, 20), (20, 30)]);
+    }
+    for server in [first, second, third] {
+        server.shutdown();
+    }
+}
+
+#[test]
+fn demo_starts_a_local_swarm_and_answers() {
+    let Some(model) = default_model() else { return };
+    let out = corolla(&[
+        "demo",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        FRANCE,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("Paris"), "{stdout:?}");
+    for span in ["0..10", "10..20", "20..30"] {
+        assert!(stderr.contains(span), "route {span} missing: {stderr}");
+    }
+}
+
+#[test]
+fn chat_keeps_the_conversation_across_turns() {
+    let Some(model) = default_model() else { return };
+    let mut child = Command::new(corolla_bin())
+        .args([
+            "chat",
+            "--local",
+            "--model",
+            model.to_str().unwrap(),
+            "--max-new-tokens",
+            "32",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{FRANCE}\nAnd what is the capital of Germany?").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout:?}");
+    assert!(lines[0].contains("Paris"), "{stdout:?}");
+    assert!(lines[1].contains("Berlin"), "{stdout:?}");
+}
+
+#[test]
+fn ctrl_c_stops_an_answer_but_not_the_chat() {
+    let Some(model) = default_model() else { return };
+    let mut child = Command::new(corolla_bin())
+        .args([
+            "chat",
+            "--local",
+            "--model",
+            model.to_str().unwrap(),
+            "--max-new-tokens",
+            "400",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    writeln!(
+        stdin,
+        "Write a very long story about a dragon who learns to cook."
+    )
+    .unwrap();
+    // Wait for the answer to start streaming, then interrupt it.
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    let started = Instant::now();
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut stopped_answer = String::new();
+    stdout.read_line(&mut stopped_answer).unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the answer did not stop"
+    );
+    writeln!(stdin, "{FRANCE}").unwrap();
+    drop(stdin);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("stopped"), "{stderr}");
+    assert!(rest.contains("Paris"), "{rest:?}");
+    // The stopped answer was short of the 400 tokens it could have had.
+    let first_stats = stderr.lines().find(|l| l.contains("tokens/s")).unwrap();
+    let n: usize = first_stats
+        .trim_start_matches('[')
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n < 400, "{first_stats}");
+}
