@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Benchmarks: generation through a 4-server swarm on loopback vs one process,
+# and the default model in `corolla demo`'s 3-server layout vs one process,
 # side by side in one run. Writes the figures to BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 # The dev profile optimises every dependency (candle, libp2p), which is where
 # the time goes; it shares the test build instead of compiling a release one.
-cargo build --locked -p corolla-tests --bin corolla-bench
+cargo build --locked -p corolla-tests --bin corolla-bench -p corolla-client --bin corolla
+# The default model's section needs the model (fetched once, then cached).
+"$CARGO_TARGET_DIR/debug/corolla" fetch-model >/dev/null
 "$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md

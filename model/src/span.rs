@@ -94,7 +94,7 @@ impl Attention {
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
             .reshape((b, t, nh * hd))?;
-        Ok(self.o_proj.forward(&out)?)
+        self.o_proj.forward(&out)
     }
 }
 
@@ -118,7 +118,7 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gated =
             (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
-        Ok(self.down_proj.forward(&gated)?)
+        self.down_proj.forward(&gated)
     }
 }
 

@@ -201,3 +201,66 @@ fn ctrl_c_stops_an_answer_but_not_the_chat() {
         .unwrap();
     assert!(n < 400, "{first_stats}");
 }
+
+#[test]
+fn converted_gguf_parts_answer_like_the_file() {
+    let Some(model) = default_model() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let parts = tmp.path().join("parts");
+    corolla(&[
+        "convert",
+        "--model",
+        model.to_str().unwrap(),
+        "--out",
+        parts.to_str().unwrap(),
+        "--blocks-per-file",
+        "10",
+    ]);
+    for file in [
+        "client.gguf",
+        "blocks-00000-00010.gguf",
+        "blocks-00020-00030.gguf",
+        "config.json",
+    ] {
+        assert!(parts.join(file).is_file(), "{file} missing");
+    }
+    let out = generate_json(&parts, &["--local", "--chat", "--prompt", FRANCE]);
+    let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+    assert_eq!(ids, SmolReference::load().runs[0].generated_ids);
+}
+
+#[test]
+fn demo_stops_its_servers_when_terminated() {
+    let Some(model) = default_model() else { return };
+    let mut child = Command::new(corolla_bin())
+        .args(["demo", "--model", model.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _stdin = child.stdin.take().unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut port = None;
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        if let Some(addr) = line.strip_prefix("local swarm ready; bootstrap address ") {
+            let tcp = addr.split("/tcp/").nth(1).unwrap();
+            port = Some(tcp.split('/').next().unwrap().parse::<u16>().unwrap());
+            break;
+        }
+    }
+    let port = port.expect("the demo reports its swarm");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "{exit}");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the first server still listens after the demo ended"
+    );
+}
