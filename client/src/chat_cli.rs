@@ -239,7 +239,7 @@ fn chat_loop(
             };
             stop.store(false, Ordering::SeqCst);
             generating.store(true, Ordering::SeqCst);
-            let answer = stream_answer(assistant, &request, &stop).await;
+            let answer = stream_answer(assistant, &request, stop).await;
             generating.store(false, Ordering::SeqCst);
             match answer {
                 Ok((text, answer)) => {

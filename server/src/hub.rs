@@ -47,7 +47,7 @@ impl ModelSource {
         let id = model.to_string_lossy();
         if model.exists() || !looks_like_repo_id(&id) {
             return Err(ServerError::Config(format!(
-                "model {} is neither a folder nor a file (nor a Hugging Face repo id like owner/name)",
+                "model {} does not exist (as a folder or GGUF file; nor is it a Hugging Face repo id like owner/name)",
                 model.display()
             )));
         }
