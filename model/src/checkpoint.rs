@@ -472,6 +472,17 @@ impl Checkpoint {
         self.weight_map.contains_key(name)
     }
 
+    /// The weight files holding `names` (those the checkpoint has).
+    pub fn files_for_tensors<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> std::collections::BTreeSet<String> {
+        names
+            .into_iter()
+            .filter_map(|n| self.weight_map.get(n).cloned())
+            .collect()
+    }
+
     /// The raw bytes and metadata of one tensor, mapping its file if needed.
     pub fn raw_tensor(&self, name: &str) -> Result<RawTensor> {
         let file_name = self

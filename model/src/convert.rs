@@ -72,16 +72,7 @@ pub fn convert(
             "--blocks-per-file must be at least 1".into(),
         ));
     }
-    if out.exists() {
-        let mut entries = std::fs::read_dir(out).map_err(|e| ModelError::io(out, e))?;
-        if entries.next().is_some() {
-            return Err(ModelError::invalid_file(
-                out,
-                "output folder is not empty; refusing to overwrite anything",
-            ));
-        }
-    }
-    std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
+    ensure_empty_dir(out)?;
 
     let gguf = source.is_gguf();
     let client_file = if gguf { CLIENT_GGUF_FILE } else { CLIENT_FILE };
@@ -157,60 +148,18 @@ pub fn convert(
         None
     };
     for (file, names) in &groups {
-        let raws = names
-            .iter()
-            .map(|n| source.raw_tensor(n))
-            .collect::<Result<Vec<_>>>()?;
-        let partial = out.join(format!(".{file}.partial"));
-        match &gguf_metadata {
-            Some(metadata) => write_gguf_part(source, names, metadata, &partial)?,
-            None => {
-                let views = names
-                    .iter()
-                    .zip(&raws)
-                    .map(|(n, r)| {
-                        let RawDType::Safetensors(dtype) = r.dtype else {
-                            return Err(ModelError::invalid_file(
-                                source.dir(),
-                                format!("{n}: a GGUF tensor in a safetensors model"),
-                            ));
-                        };
-                        let view = StView::new(dtype, r.shape.clone(), r.data()).map_err(|e| {
-                            ModelError::invalid_file(source.dir(), format!("{n}: {e}"))
-                        })?;
-                        Ok((n.clone(), view))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                safetensors::serialize_to_file(views, None, &partial)
-                    .map_err(|e| ModelError::invalid_file(&partial, e))?;
-            }
-        }
-        let path = out.join(file);
-        std::fs::rename(&partial, &path).map_err(|e| ModelError::io(&path, e))?;
+        write_part(source, names, gguf_metadata.as_ref(), &out.join(file))?;
         for n in names {
             weight_map.insert(n.clone(), file.clone());
         }
         report.files_done += 1;
-        report.bytes_done += raws.iter().map(|r| r.data().len() as u64).sum::<u64>();
+        for n in names {
+            report.bytes_done += source.raw_tensor(n)?.data().len() as u64;
+        }
         report.last_file = file.clone();
         progress(&report);
     }
-
-    if gguf {
-        // A GGUF file's config lives in its metadata; the folder needs one of its own.
-        let path = out.join(CONFIG_FILE);
-        let json = serde_json::to_string_pretty(&source.config().to_hf_json())
-            .map_err(|e| ModelError::invalid_file(&path, e))?;
-        std::fs::write(&path, json).map_err(|e| ModelError::io(&path, e))?;
-    } else {
-        for side in SIDE_FILES {
-            let from = source.dir().join(side);
-            if from.is_file() {
-                let to = out.join(side);
-                std::fs::copy(&from, &to).map_err(|e| ModelError::io(&to, e))?;
-            }
-        }
-    }
+    write_side_files(source, out)?;
 
     let index = CorollaIndex {
         format: CorollaIndex::FORMAT.into(),
@@ -228,6 +177,122 @@ pub fn convert(
         serde_json::to_string_pretty(&index).map_err(|e| ModelError::invalid_file(&path, e))?;
     std::fs::write(&path, json).map_err(|e| ModelError::io(&path, e))?;
     Ok(index)
+}
+
+/// Writes `names` into the file `path` (through a hidden partial file), as
+/// GGUF with `gguf_metadata` when given, else as safetensors.
+fn write_part(
+    source: &Checkpoint,
+    names: &[String],
+    gguf_metadata: Option<&std::collections::HashMap<String, Value>>,
+    path: &Path,
+) -> Result<()> {
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let partial = path.with_file_name(format!(".{file_name}.partial"));
+    match gguf_metadata {
+        Some(metadata) => write_gguf_part(source, names, metadata, &partial)?,
+        None => {
+            let raws = names
+                .iter()
+                .map(|n| source.raw_tensor(n))
+                .collect::<Result<Vec<_>>>()?;
+            let views = names
+                .iter()
+                .zip(&raws)
+                .map(|(n, r)| {
+                    let RawDType::Safetensors(dtype) = r.dtype else {
+                        return Err(ModelError::invalid_file(
+                            source.dir(),
+                            format!("{n}: a GGUF tensor in a safetensors model"),
+                        ));
+                    };
+                    let view = StView::new(dtype, r.shape.clone(), r.data())
+                        .map_err(|e| ModelError::invalid_file(source.dir(), format!("{n}: {e}")))?;
+                    Ok((n.clone(), view))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            safetensors::serialize_to_file(views, None, &partial)
+                .map_err(|e| ModelError::invalid_file(&partial, e))?;
+        }
+    }
+    std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
+}
+
+/// The config (and tokenizer files) a part folder needs beside its weights.
+fn write_side_files(source: &Checkpoint, out: &Path) -> Result<()> {
+    if source.is_gguf() {
+        // A GGUF file's config lives in its metadata; the folder needs one of its own.
+        let path = out.join(CONFIG_FILE);
+        let json = serde_json::to_string_pretty(&source.config().to_hf_json())
+            .map_err(|e| ModelError::invalid_file(&path, e))?;
+        std::fs::write(&path, json).map_err(|e| ModelError::io(&path, e))?;
+    } else {
+        for side in SIDE_FILES {
+            let from = source.dir().join(side);
+            if from.is_file() {
+                let to = out.join(side);
+                std::fs::copy(&from, &to).map_err(|e| ModelError::io(&to, e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn ensure_empty_dir(out: &Path) -> Result<()> {
+    if out.exists() {
+        let mut entries = std::fs::read_dir(out).map_err(|e| ModelError::io(out, e))?;
+        if entries.next().is_some() {
+            return Err(ModelError::invalid_file(
+                out,
+                "output folder is not empty; refusing to overwrite anything",
+            ));
+        }
+    }
+    std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))
+}
+
+/// Writes only the client part of `source` into `out` (empty or absent):
+/// embeddings, final norm and LM head, with the config and tokenizer, which
+/// is what a browser fetches. Returns the names of the files written.
+pub fn write_client_part(source: &Checkpoint, out: &Path) -> Result<Vec<String>> {
+    ensure_empty_dir(out)?;
+    let names: Vec<String> = [EMBED_TOKENS, FINAL_NORM, LM_HEAD]
+        .into_iter()
+        .filter(|n| source.contains(n))
+        .map(String::from)
+        .collect();
+    if !names.iter().any(|n| n == EMBED_TOKENS) {
+        return Err(ModelError::MissingTensor {
+            name: EMBED_TOKENS.into(),
+        });
+    }
+    let gguf_metadata = if source.is_gguf() {
+        source.gguf_metadata_of(EMBED_TOKENS)?
+    } else {
+        None
+    };
+    let client_file = if gguf_metadata.is_some() {
+        CLIENT_GGUF_FILE
+    } else {
+        CLIENT_FILE
+    };
+    write_part(
+        source,
+        &names,
+        gguf_metadata.as_ref(),
+        &out.join(client_file),
+    )?;
+    write_side_files(source, out)?;
+    let mut files: Vec<String> = std::fs::read_dir(out)
+        .map_err(|e| ModelError::io(out, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    Ok(files)
 }
 
 /// Writes one GGUF part: `names` (Hugging Face names) in their stored

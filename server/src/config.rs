@@ -129,6 +129,13 @@ pub struct ServerArgs {
     /// How often the server re-announces itself; entries expire after two periods.
     #[arg(long, env = "COROLLA_UPDATE_PERIOD", default_value = "60s", value_parser = parse_duration)]
     pub update_period: Duration,
+    /// Serve HTTP on this port (0: any free port): the web page, the client
+    /// part of the model for browsers, and `/api/status`.
+    #[arg(long, env = "COROLLA_HTTP_PORT")]
+    pub http_port: Option<u16>,
+    /// The built web page (trunk's `dist` folder) to serve over HTTP.
+    #[arg(long, env = "COROLLA_WEB_DIR", requires = "http_port")]
+    pub web_dir: Option<PathBuf>,
     /// Adds a fixed delay to every step (for tests of routing around slow servers).
     #[arg(long, env = "COROLLA_STEP_DELAY_MS", default_value_t = 0)]
     pub step_delay_ms: u64,

@@ -7,6 +7,7 @@
 //! [`Server::start`].
 
 pub mod config;
+mod http;
 mod hub;
 mod identity;
 mod measure;
@@ -14,4 +15,5 @@ mod server;
 mod session;
 
 pub use config::{BlockRange, ServerArgs};
+pub use http::{ClientFile, ClientManifest};
 pub use server::{run_cli, RunningServer, Server, ServerError};

@@ -48,9 +48,15 @@ pub struct RunningServer {
     end: usize,
     node: NodeHandle,
     tasks: Vec<JoinHandle<()>>,
+    http: Option<String>,
 }
 
 impl RunningServer {
+    /// `http://HOST:PORT` when the server serves HTTP.
+    pub fn http_url(&self) -> Option<&str> {
+        self.http.as_deref()
+    }
+
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
     }
@@ -105,6 +111,9 @@ struct AddrFile<'a> {
     model: &'a str,
     start: usize,
     end: usize,
+    /// `http://HOST:PORT` with `--http-port`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http: Option<String>,
 }
 
 fn ip_proto(ip: IpAddr) -> Protocol<'static> {
@@ -152,6 +161,13 @@ pub fn choose_blocks(num_layers: usize, n: usize, records: &[ServerRecord]) -> (
     (best, best + n)
 }
 
+/// The tensors of the client part, which browsers fetch over HTTP.
+const CLIENT_TENSORS: [&str; 3] = [
+    corolla_model::head::EMBED_TOKENS,
+    corolla_model::head::FINAL_NORM,
+    corolla_model::head::LM_HEAD,
+];
+
 pub struct Server;
 
 impl Server {
@@ -177,9 +193,11 @@ impl Server {
         };
         let source = {
             let model = args.model.clone();
-            tokio::task::spawn_blocking(move || ModelSource::resolve(&model))
-                .await
-                .map_err(|e| ServerError::Config(e.to_string()))??
+            Arc::new(
+                tokio::task::spawn_blocking(move || ModelSource::resolve(&model))
+                    .await
+                    .map_err(|e| ServerError::Config(e.to_string()))??,
+            )
         };
         let checkpoint =
             Arc::new(Checkpoint::open(source.dir())?.with_quantized_weights(args.quantized));
@@ -327,6 +345,7 @@ impl Server {
             let ck = checkpoint.clone();
             let dtype = args.dtype.resolve(&config, &device);
             let step_delay = Duration::from_millis(args.step_delay_ms);
+            let source = source.clone();
             tokio::task::spawn_blocking(move || {
                 source.fetch(ck.files_for_layers(start, end))?;
                 let hashes = block_hashes(&ck, start, end)?;
@@ -385,7 +404,45 @@ impl Server {
             record: Mutex::new(record.clone()),
         });
         tasks.push(accept_sessions(&handle, ctx.clone())?);
-        tasks.push(accept_info(&handle, ctx)?);
+        tasks.push(accept_info(&handle, ctx.clone())?);
+        let http = match args.http_port {
+            None => None,
+            Some(port) => {
+                let ck = checkpoint.clone();
+                let name = model.clone();
+                let part = tokio::task::spawn_blocking(move || {
+                    // A hub model has only this server's blocks so far.
+                    source.fetch(ck.files_for_tensors(CLIENT_TENSORS))?;
+                    crate::http::prepare_client_part(&ck, &name)
+                })
+                .await
+                .map_err(|e| ServerError::Config(e.to_string()))??;
+                let public_host = args.public_name.clone().unwrap_or_else(|| {
+                    if args.host.is_unspecified() {
+                        "127.0.0.1".into()
+                    } else {
+                        args.host.to_string()
+                    }
+                });
+                let config = crate::http::HttpConfig {
+                    listen: std::net::SocketAddr::new(args.host, port),
+                    public_host,
+                    web_dir: args.web_dir.clone(),
+                    browser_addresses: addrs
+                        .iter()
+                        .filter(|a| {
+                            a.iter()
+                                .any(|p| matches!(p, Protocol::Ws(_) | Protocol::WebRTCDirect))
+                        })
+                        .map(ToString::to_string)
+                        .collect(),
+                };
+                let (_, url, task) = crate::http::serve(config, ctx, part).await?;
+                tracing::info!(%url, "serving HTTP");
+                tasks.push(task);
+                Some(url)
+            }
+        };
         handle
             .announce(Some(Announcement {
                 record,
@@ -403,6 +460,7 @@ impl Server {
                     model: &model,
                     start,
                     end,
+                    http: http.clone(),
                 },
             )?;
         }
@@ -414,6 +472,7 @@ impl Server {
             end,
             node: handle,
             tasks,
+            http,
         })
     }
 }

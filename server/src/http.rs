@@ -1,0 +1,204 @@
+//! The server's HTTP side (`--http-port`): the built web chat page, the
+//! client part of its model for browsers (config, tokenizer, embeddings,
+//! final norm, LM head, listed with sizes and SHA-256 in a manifest so a page
+//! can show progress and cache by digest), and a JSON status. Only GET; CORS
+//! is open, since an embedded widget fetches from other sites' pages.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokio::task::JoinHandle;
+use tower_http::cors::CorsLayer;
+use tower_http::services::{ServeDir, ServeFile};
+
+use crate::server::ServerError;
+use crate::session::SessionContext;
+
+/// One file of the client part.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClientFile {
+    pub name: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// `GET /model/manifest.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClientManifest {
+    pub model: String,
+    pub files: Vec<ClientFile>,
+}
+
+/// `GET /api/status`: the live record plus how browsers reach this server.
+#[derive(Serialize)]
+struct Status {
+    #[serde(flatten)]
+    record: corolla_shared::ServerRecord,
+    http: String,
+    /// Multiaddrs a browser can dial (WebSocket, WebRTC-direct).
+    browser_addresses: Vec<String>,
+}
+
+struct HttpState {
+    ctx: Arc<SessionContext>,
+    client_dir: PathBuf,
+    manifest: ClientManifest,
+    http: String,
+    browser_addresses: Vec<String>,
+    /// Keeps the client part's folder alive as long as the server.
+    _client_dir_guard: tempfile::TempDir,
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher)?;
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// What `serve` needs besides the sessions' context.
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+    /// The public host name or IP written into URLs (the listen IP by default).
+    pub public_host: String,
+    pub web_dir: Option<PathBuf>,
+    pub browser_addresses: Vec<String>,
+}
+
+/// Writes the client part of `checkpoint` into a folder owned by the server.
+pub(crate) fn prepare_client_part(
+    checkpoint: &corolla_model::Checkpoint,
+    model: &str,
+) -> Result<(tempfile::TempDir, ClientManifest), ServerError> {
+    let dir = tempfile::Builder::new()
+        .prefix("corolla-client-part-")
+        .tempdir()
+        .map_err(|e| {
+            ServerError::Config(format!("cannot create a folder for the client part: {e}"))
+        })?;
+    let out = dir.path().join("part");
+    let names = corolla_model::convert::write_client_part(checkpoint, &out)?;
+    let files = names
+        .into_iter()
+        .map(|name| {
+            let path = out.join(&name);
+            let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            let sha256 = sha256_file(&path)
+                .map_err(|e| ServerError::Config(format!("cannot read {}: {e}", path.display())))?;
+            Ok(ClientFile { name, size, sha256 })
+        })
+        .collect::<Result<Vec<_>, ServerError>>()?;
+    Ok((
+        dir,
+        ClientManifest {
+            model: model.to_string(),
+            files,
+        },
+    ))
+}
+
+/// Binds `config.listen` and serves until the returned task is aborted.
+pub(crate) async fn serve(
+    config: HttpConfig,
+    ctx: Arc<SessionContext>,
+    client_part: (tempfile::TempDir, ClientManifest),
+) -> Result<(SocketAddr, String, JoinHandle<()>), ServerError> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| {
+            ServerError::Config(format!("cannot listen for HTTP on {}: {e}", config.listen))
+        })?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| ServerError::Config(e.to_string()))?;
+    let http = format!("http://{}:{}", config.public_host, local.port());
+    let (guard, manifest) = client_part;
+    let state = Arc::new(HttpState {
+        ctx,
+        client_dir: guard.path().join("part"),
+        manifest,
+        http: http.clone(),
+        browser_addresses: config.browser_addresses,
+        _client_dir_guard: guard,
+    });
+    let mut app = Router::new()
+        .route("/api/status", get(status))
+        .route("/model/manifest.json", get(manifest_json))
+        .route("/model/{file}", get(client_file));
+    app = match &config.web_dir {
+        Some(dir) => app
+            .fallback_service(ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html")))),
+        None => app.fallback(get(no_page)),
+    };
+    let app = app.layer(CorsLayer::permissive()).with_state(state);
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(error = %e, "the HTTP server stopped");
+        }
+    });
+    Ok((local, http, task))
+}
+
+async fn status(State(state): State<Arc<HttpState>>) -> Json<Status> {
+    Json(Status {
+        record: state.ctx.record(),
+        http: state.http.clone(),
+        browser_addresses: state.browser_addresses.clone(),
+    })
+}
+
+async fn manifest_json(State(state): State<Arc<HttpState>>) -> Json<ClientManifest> {
+    Json(state.manifest.clone())
+}
+
+async fn client_file(
+    State(state): State<Arc<HttpState>>,
+    UrlPath(file): UrlPath<String>,
+) -> Response {
+    // Only the files of the manifest: the name never reaches the file system otherwise.
+    let Some(entry) = state.manifest.files.iter().find(|f| f.name == file) else {
+        return (StatusCode::NOT_FOUND, "no such file in the client part").into_response();
+    };
+    match tokio::fs::read(state.client_dir.join(&entry.name)).await {
+        Ok(bytes) => {
+            let mut response = bytes.into_response();
+            let headers = response.headers_mut();
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", entry.sha256)) {
+                headers.insert(header::ETAG, etag);
+            }
+            response
+        }
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot read {}: {e}", entry.name),
+        )
+            .into_response(),
+    }
+}
+
+async fn no_page() -> (StatusCode, Html<&'static str>) {
+    (
+        StatusCode::NOT_FOUND,
+        Html(
+            "<!doctype html><title>Corolla</title><p>This Corolla server has no web page \
+             (start it with --web-dir pointing at the built page). \
+             Its status is at <a href=\"/api/status\">/api/status</a>.</p>",
+        ),
+    )
+}

@@ -1,0 +1,186 @@
+//! `--http-port`: the status endpoint, the client part of the model for
+//! browsers (manifest, digests, bytes), the web page, and CORS.
+
+use std::collections::HashMap;
+use std::io::Read;
+
+use corolla_model::gguf::GgufFile;
+use corolla_tests::{start_model_server, start_server, tiny_llama, write_tiny_gguf};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+fn get(url: &str) -> (u16, Vec<u8>, HashMap<String, String>) {
+    let response = match ureq::get(url).set("Origin", "https://example.org").call() {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("GET {url}: {e}"),
+    };
+    let status = response.status();
+    let headers = response
+        .headers_names()
+        .into_iter()
+        .filter_map(|h| {
+            response
+                .header(&h)
+                .map(|v| (h.to_lowercase(), v.to_string()))
+        })
+        .collect();
+    let mut body = Vec::new();
+    response.into_reader().read_to_end(&mut body).unwrap();
+    (status, body, headers)
+}
+
+fn get_json(url: &str) -> Value {
+    let (status, body, _) = get(url);
+    assert_eq!(status, 200, "{url}");
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn hex_sha(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Fetches every file of the manifest, checking size and digest.
+fn fetch_client_part(http: &str) -> HashMap<String, Vec<u8>> {
+    let manifest = get_json(&format!("{http}/model/manifest.json"));
+    manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            let name = f["name"].as_str().unwrap().to_string();
+            let (status, body, _) = get(&format!("{http}/model/{name}"));
+            assert_eq!(status, 200, "{name}");
+            assert_eq!(body.len() as u64, f["size"].as_u64().unwrap(), "{name}");
+            assert_eq!(hex_sha(&body), f["sha256"].as_str().unwrap(), "{name}");
+            (name, body)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_client_part_page_and_cors() {
+    let web = tempfile::tempdir().unwrap();
+    std::fs::write(web.path().join("index.html"), "<title>Corolla chat</title>").unwrap();
+    std::fs::write(web.path().join("app.js"), "console.log(1)").unwrap();
+    let addr_file = web.path().join("addr.json");
+    let server = start_server(
+        "0:2",
+        None,
+        &[
+            "--http-port",
+            "0",
+            "--web-dir",
+            web.path().to_str().unwrap(),
+            "--addr-file",
+            addr_file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let http = server.http_url().expect("http url").to_string();
+    let addr: Value = serde_json::from_slice(&std::fs::read(&addr_file).unwrap()).unwrap();
+    assert_eq!(addr["http"].as_str(), Some(http.as_str()));
+
+    let body = tokio::task::spawn_blocking(move || {
+        let status = get_json(&format!("{http}/api/status"));
+        assert_eq!(status["start"], 0);
+        assert_eq!(status["end"], 2);
+        assert_eq!(status["http"].as_str(), Some(http.as_str()));
+        let browser: Vec<String> =
+            serde_json::from_value(status["browser_addresses"].clone()).unwrap();
+        assert!(browser.iter().any(|a| a.contains("/ws")), "{browser:?}");
+
+        let files = fetch_client_part(&http);
+        let mut names: Vec<&str> = files.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "client.safetensors",
+                "config.json",
+                "generation_config.json",
+                "tokenizer.json",
+                "tokenizer_config.json"
+            ]
+        );
+        // The client part holds the client's tensors, byte for byte.
+        let part = safetensors::SafeTensors::deserialize(&files["client.safetensors"]).unwrap();
+        let mut tensors = part.names();
+        tensors.sort();
+        assert_eq!(
+            tensors,
+            [
+                "lm_head.weight",
+                "model.embed_tokens.weight",
+                "model.norm.weight"
+            ]
+        );
+        let source = std::fs::read(tiny_llama().join("model.safetensors")).unwrap();
+        let source = safetensors::SafeTensors::deserialize(&source).unwrap();
+        assert_eq!(
+            part.tensor("model.embed_tokens.weight").unwrap().data(),
+            source.tensor("model.embed_tokens.weight").unwrap().data()
+        );
+
+        let (status, _, _) = get(&format!("{http}/model/..%2Fmodel.safetensors"));
+        assert_eq!(status, 404);
+        let (status, _, _) = get(&format!("{http}/model/model.safetensors"));
+        assert_eq!(status, 404);
+
+        let (status, page, headers) = get(&format!("{http}/"));
+        assert_eq!(status, 200);
+        assert_eq!(
+            headers
+                .get("access-control-allow-origin")
+                .map(String::as_str),
+            Some("*")
+        );
+        let (status, js, _) = get(&format!("{http}/app.js"));
+        assert_eq!((status, js.as_slice()), (200, b"console.log(1)".as_slice()));
+        page
+    })
+    .await
+    .unwrap();
+    assert_eq!(body, b"<title>Corolla chat</title>");
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gguf_server_serves_a_gguf_client_part_with_its_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny.gguf");
+    write_tiny_gguf(&model, true, None);
+    let server = start_model_server(&model, "1:3", None, &["--http-port", "0"]).await;
+    let http = server.http_url().unwrap().to_string();
+    let dir = tmp.path().to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let files = fetch_client_part(&http);
+        let mut names: Vec<&str> = files.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(names, ["client.gguf", "config.json"]);
+        let path = dir.join("client.gguf");
+        std::fs::write(&path, &files["client.gguf"]).unwrap();
+        let part = GgufFile::open(&path).unwrap();
+        assert!(part.tokenizer().unwrap().is_some());
+        let mut tensors: Vec<&String> = part.tensors().keys().collect();
+        tensors.sort();
+        assert_eq!(
+            tensors,
+            [
+                "lm_head.weight",
+                "model.embed_tokens.weight",
+                "model.norm.weight"
+            ]
+        );
+        // Without --web-dir the page is a pointer to the status.
+        let (status, page, _) = get(&format!("{http}/"));
+        assert_eq!(status, 404);
+        assert!(String::from_utf8_lossy(&page).contains("/api/status"));
+    })
+    .await
+    .unwrap();
+    server.shutdown();
+}
