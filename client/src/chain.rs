@@ -38,6 +38,9 @@ pub struct SessionSettings {
     pub allowed_servers: Option<HashSet<String>>,
     /// Peer ids never used.
     pub blocked_servers: HashSet<String>,
+    /// Flow control toward this client (see `corolla_shared::flow`): what
+    /// browsers on WebRTC need; 0 for none.
+    pub flow_window: u32,
 }
 
 impl SessionSettings {
@@ -58,6 +61,7 @@ impl SessionSettings {
             max_retries: 8,
             allowed_servers: None,
             blocked_servers: HashSet::new(),
+            flow_window: 0,
         }
     }
 
@@ -287,6 +291,7 @@ impl RemoteChain {
             end: hop.end as u32,
             max_length: self.settings.max_length as u32,
             dtype: self.settings.dtype,
+            flow_window: self.settings.flow_window,
         };
         let mut control = self.node.control();
         Ok(RemoteSession::open(&mut control, peer, request, self.settings.timeout).await?)

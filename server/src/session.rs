@@ -8,6 +8,7 @@ use std::time::Duration;
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
 use corolla_model::{BlockSpan, SessionCache};
+use corolla_shared::flow::FlowSender;
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response};
 use corolla_shared::{Limits, ServerRecord, TensorView, WireDType};
@@ -61,6 +62,8 @@ fn refuse(code: ErrorCode, message: impl Into<String>) -> Reply {
 pub(crate) async fn serve(mut stream: Stream, peer: PeerId, ctx: Arc<SessionContext>) {
     let mut buf = Vec::new();
     let mut session: Option<Session> = None;
+    // Set by an Open that asks for flow control (browsers over WebRTC).
+    let mut flow: Option<FlowSender> = None;
     loop {
         let read = tokio::time::timeout(
             ctx.idle_timeout,
@@ -70,13 +73,18 @@ pub(crate) async fn serve(mut stream: Stream, peer: PeerId, ctx: Arc<SessionCont
         let reply = match read {
             Err(_) => {
                 let msg = format!("session idle for {:?}; closed", ctx.idle_timeout);
-                send(&mut stream, Err((ErrorCode::Timeout, msg))).await;
+                send(&mut stream, &mut flow, Err((ErrorCode::Timeout, msg))).await;
                 break;
             }
             Ok(Ok(false)) => break,
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
                 // The frame's body was not read, so the stream is out of sync: close it.
-                send(&mut stream, Err((ErrorCode::TooLong, e.to_string()))).await;
+                send(
+                    &mut stream,
+                    &mut flow,
+                    Err((ErrorCode::TooLong, e.to_string())),
+                )
+                .await;
                 break;
             }
             Ok(Err(e)) => {
@@ -86,20 +94,31 @@ pub(crate) async fn serve(mut stream: Stream, peer: PeerId, ctx: Arc<SessionCont
             Ok(Ok(true)) => match Request::decode(&buf, &ctx.limits) {
                 Err(e) => refuse(ErrorCode::BadFrame, format!("malformed request: {e}")),
                 Ok(Request::Close) => break,
+                Ok(Request::Ack { received }) => match flow.as_mut().map(|f| f.on_ack(received)) {
+                    Some(Ok(())) => continue,
+                    Some(Err(e)) => refuse(ErrorCode::BadFrame, e.to_string()),
+                    None => refuse(
+                        ErrorCode::BadFrame,
+                        "an acknowledgement without flow control",
+                    ),
+                },
                 Ok(Request::Open(open)) => match &session {
                     Some(_) => refuse(
                         ErrorCode::BadFrame,
                         "a session is already open on this stream",
                     ),
-                    None => match open_session(&ctx, &open) {
-                        Ok(s) => {
+                    None => {
+                        // From here on the client reads under its window, even a refusal.
+                        if open.flow_window > 0 && flow.is_none() {
+                            flow = Some(FlowSender::new(open.flow_window));
+                        }
+                        open_session(&ctx, &open).map(|s| {
                             let max_length = s.max_length as u32;
                             tracing::debug!(%peer, start = open.start, end = open.end, max_length, "session opened");
                             session = Some(s);
-                            Ok(Response::Opened { max_length }.encode())
-                        }
-                        Err(e) => Err(e),
-                    },
+                            Response::Opened { max_length }.encode()
+                        })
+                    }
                 },
                 Ok(Request::Step {
                     start_position,
@@ -117,7 +136,7 @@ pub(crate) async fn serve(mut stream: Stream, peer: PeerId, ctx: Arc<SessionCont
                 },
             },
         };
-        if !send(&mut stream, reply).await {
+        if !send(&mut stream, &mut flow, reply).await {
             break;
         }
     }
@@ -125,7 +144,7 @@ pub(crate) async fn serve(mut stream: Stream, peer: PeerId, ctx: Arc<SessionCont
     tracing::debug!(%peer, "session closed");
 }
 
-async fn send(stream: &mut Stream, reply: Reply) -> bool {
+async fn send(stream: &mut Stream, flow: &mut Option<FlowSender>, reply: Reply) -> bool {
     let frame = match reply {
         Ok(frame) => frame,
         Err((code, message)) => {
@@ -133,7 +152,10 @@ async fn send(stream: &mut Stream, reply: Reply) -> bool {
             Response::error(code, message).encode()
         }
     };
-    write_frame(stream, &frame).await.is_ok()
+    match flow {
+        Some(flow) => flow.write_frame(stream, &frame).await.is_ok(),
+        None => write_frame(stream, &frame).await.is_ok(),
+    }
 }
 
 fn open_session(ctx: &SessionContext, open: &OpenRequest) -> Result<Session, (ErrorCode, String)> {

@@ -7,6 +7,7 @@
 //! tokio so that it builds for every target, wasm32 included.
 
 pub mod behaviour;
+pub mod flow;
 pub mod framing;
 pub mod limits;
 #[cfg(feature = "native")]

@@ -19,7 +19,7 @@ use libp2p::StreamProtocol;
 use crate::limits::Limits;
 use crate::tensor::{encode_into, TensorCodecError, TensorPayload, TensorView, WireDType};
 
-pub const INFERENCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/inference/1");
+pub const INFERENCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/inference/2");
 pub const INFO_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/info/1");
 pub const KADEMLIA_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/kad/1");
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/corolla/1";
@@ -45,6 +45,11 @@ pub struct OpenRequest {
     pub max_length: u32,
     /// dtype of the hidden states on the wire, both ways.
     pub dtype: WireDType,
+    /// Nonzero: the most unacknowledged bytes the server may have in flight
+    /// toward the client, which acknowledges with [`Request::Ack`]; and every
+    /// write of both ends is a flushed piece of at most 8000 bytes (see
+    /// [`crate::flow`]). Browsers over WebRTC need it; zero means neither.
+    pub flow_window: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +60,10 @@ pub enum Request<'a> {
         hidden: TensorView<'a>,
     },
     Close,
+    /// Bytes the client has read from the stream so far (flow control).
+    Ack {
+        received: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +137,7 @@ mod tag {
     pub const OPEN: u8 = 1;
     pub const STEP: u8 = 2;
     pub const CLOSE: u8 = 3;
+    pub const ACK: u8 = 4;
     pub const OPENED: u8 = 101;
     pub const STEP_OUT: u8 = 102;
     pub const ERROR: u8 = 103;
@@ -186,6 +196,13 @@ impl<'a> Reader<'a> {
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
+    fn u64(&mut self) -> Result<u64, ProtocolError> {
+        let b = self.take(8)?;
+        Ok(u64::from_le_bytes([
+            b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
+        ]))
+    }
+
     fn string(&mut self, max: usize) -> Result<String, ProtocolError> {
         let len = self.u16()? as usize;
         if len > max {
@@ -221,6 +238,7 @@ impl Request<'_> {
                 out.extend_from_slice(&o.end.to_le_bytes());
                 out.extend_from_slice(&o.max_length.to_le_bytes());
                 out.push(dtype_code(o.dtype));
+                out.extend_from_slice(&o.flow_window.to_le_bytes());
             }
             Request::Step {
                 start_position,
@@ -231,6 +249,10 @@ impl Request<'_> {
                 encode_into(hidden.dtype, &hidden.shape, hidden.data, &mut out);
             }
             Request::Close => out.push(tag::CLOSE),
+            Request::Ack { received } => {
+                out.push(tag::ACK);
+                out.extend_from_slice(&received.to_le_bytes());
+            }
         }
         out
     }
@@ -256,12 +278,14 @@ impl<'a> Request<'a> {
                 end: r.u32()?,
                 max_length: r.u32()?,
                 dtype: dtype_from_code(r.u8()?)?,
+                flow_window: r.u32()?,
             }),
             tag::STEP => Request::Step {
                 start_position: r.u32()?,
                 hidden: r.tensor(limits)?,
             },
             tag::CLOSE => Request::Close,
+            tag::ACK => Request::Ack { received: r.u64()? },
             other => return Err(ProtocolError::UnknownTag(other)),
         };
         r.finish()?;
@@ -333,6 +357,7 @@ mod tests {
             end: 3,
             max_length: 48,
             dtype: WireDType::F32,
+            flow_window: 16_000,
         }
     }
 
@@ -342,6 +367,7 @@ mod tests {
             Request::Open(open()).encode(),
             encode_step(5, &hidden),
             Request::Close.encode(),
+            Request::Ack { received: 1 << 40 }.encode(),
             Response::Opened { max_length: 9 }.encode(),
             Response::StepOut {
                 hidden: hidden.view(),
@@ -369,17 +395,21 @@ mod tests {
         );
         assert_eq!(Request::decode(&s[2], &limits).unwrap(), Request::Close);
         assert_eq!(
-            Response::decode(&s[3], &limits).unwrap(),
-            Response::Opened { max_length: 9 }
+            Request::decode(&s[3], &limits).unwrap(),
+            Request::Ack { received: 1 << 40 }
         );
         assert_eq!(
             Response::decode(&s[4], &limits).unwrap(),
+            Response::Opened { max_length: 9 }
+        );
+        assert_eq!(
+            Response::decode(&s[5], &limits).unwrap(),
             Response::StepOut {
                 hidden: hidden.view()
             }
         );
         assert_eq!(
-            Response::decode(&s[5], &limits).unwrap(),
+            Response::decode(&s[6], &limits).unwrap(),
             Response::error(ErrorCode::BadShape, "wrong shape")
         );
     }

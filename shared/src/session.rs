@@ -6,6 +6,7 @@ use std::time::Duration;
 use futures::AsyncWriteExt;
 use libp2p::PeerId;
 
+use crate::flow::{write_frame_in_pieces, FlowReceiver};
 use crate::framing::{read_frame, write_frame};
 use crate::limits::Limits;
 use crate::node::{with_timeout, NodeError};
@@ -66,6 +67,8 @@ pub struct RemoteSession {
     buf: Vec<u8>,
     limits: Limits,
     timeout: Duration,
+    /// Set when the session asked for flow control.
+    flow: Option<FlowReceiver>,
 }
 
 impl RemoteSession {
@@ -87,12 +90,14 @@ impl RemoteSession {
                 }
                 Err(_) => return Err(SessionError::Timeout { peer, timeout }),
             };
+        let flow = (request.flow_window > 0).then(|| FlowReceiver::new(request.flow_window));
         let mut session = RemoteSession {
             peer,
             stream,
             buf: Vec::new(),
             limits: Limits::DEFAULT,
             timeout,
+            flow,
         };
         let frame = Request::Open(request).encode();
         match session.exchange(&frame).await? {
@@ -120,7 +125,11 @@ impl RemoteSession {
 
     /// Ends the session politely; the server frees its cache.
     pub async fn close(mut self) {
-        let _ = write_frame(&mut self.stream, &Request::Close.encode()).await;
+        let close = Request::Close.encode();
+        let _ = match self.flow {
+            Some(_) => write_frame_in_pieces(&mut self.stream, &close).await,
+            None => write_frame(&mut self.stream, &close).await,
+        };
         let _ = self.stream.close().await;
     }
 
@@ -128,15 +137,24 @@ impl RemoteSession {
         let peer = self.peer;
         let timeout = self.timeout;
         let io = |source| SessionError::Io { peer, source };
+        let max = self.limits.max_frame_bytes();
         let got = with_timeout(timeout, async {
-            write_frame(&mut self.stream, frame).await.map_err(io)?;
-            read_frame(
-                &mut self.stream,
-                self.limits.max_frame_bytes(),
-                &mut self.buf,
-            )
-            .await
-            .map_err(io)
+            match &mut self.flow {
+                Some(flow) => {
+                    write_frame_in_pieces(&mut self.stream, frame)
+                        .await
+                        .map_err(io)?;
+                    flow.read_frame(&mut self.stream, max, &mut self.buf)
+                        .await
+                        .map_err(io)
+                }
+                None => {
+                    write_frame(&mut self.stream, frame).await.map_err(io)?;
+                    read_frame(&mut self.stream, max, &mut self.buf)
+                        .await
+                        .map_err(io)
+                }
+            }
         })
         .await
         .map_err(|_| SessionError::Timeout { peer, timeout })??;

@@ -54,6 +54,7 @@ fn open(model: &str, start: u32, end: u32, max_length: u32, fingerprint: &str) -
         end,
         max_length,
         dtype: WireDType::F32,
+        flow_window: 0,
     })
     .encode()
 }
@@ -119,6 +120,32 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         let mut control = control.clone();
         async move { control.open_stream(peer, INFERENCE_PROTOCOL).await.unwrap() }
     };
+
+    // Acknowledgements need flow control, and may not claim unsent bytes.
+    let mut s = new_stream().await;
+    assert_error(
+        exchange(&mut s, &Request::Ack { received: 0 }.encode()).await,
+        ErrorCode::BadFrame,
+        "without flow control",
+    );
+    let mut flowing = Request::Open(OpenRequest {
+        model: model.clone(),
+        fingerprint: fp.clone(),
+        start: 0,
+        end: 4,
+        max_length: 16,
+        dtype: WireDType::F32,
+        flow_window: 16_000,
+    })
+    .encode();
+    let (code, msg) = exchange(&mut s, &flowing).await.unwrap();
+    assert_eq!(code, None, "{msg}");
+    flowing = Request::Ack { received: 1 << 30 }.encode();
+    assert_error(
+        exchange(&mut s, &flowing).await,
+        ErrorCode::BadFrame,
+        "acknowledgement of 1073741824 bytes",
+    );
 
     // A malformed frame, then the same stream still works.
     let mut s = new_stream().await;
