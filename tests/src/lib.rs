@@ -369,3 +369,15 @@ pub fn write_tiny_gguf(path: &Path, quantize: bool, chat_template: Option<&str>)
     let mut file = std::fs::File::create(path).expect("create gguf");
     gguf_file::write(&mut file, &metadata, &tensors).expect("write gguf");
 }
+
+/// The `corolla-server` binary built beside this test executable.
+pub fn corolla_server_bin() -> PathBuf {
+    let bin =
+        corolla_bin().with_file_name(format!("corolla-server{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} is missing: build the binaries first",
+        bin.display()
+    );
+    bin
+}
