@@ -40,18 +40,23 @@ async fn write_pieces<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// `payload` behind its `u32` little-endian length, as one buffer.
+fn length_prefixed(payload: &[u8]) -> io::Result<Vec<u8>> {
+    let len = u32::try_from(payload.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame larger than 4 GiB"))?;
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(payload);
+    Ok(frame)
+}
+
 /// Writes one length-prefixed frame in flushed pieces of at most [`MAX_PIECE`]
 /// bytes (the direction toward a server, which needs no window).
 pub async fn write_frame_in_pieces<W: AsyncWrite + Unpin>(
     io: &mut W,
     payload: &[u8],
 ) -> io::Result<()> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame larger than 4 GiB"))?;
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&len.to_le_bytes());
-    frame.extend_from_slice(payload);
-    write_pieces(io, &frame, MAX_PIECE).await
+    write_pieces(io, &length_prefixed(payload)?, MAX_PIECE).await
 }
 
 fn invalid(msg: impl Into<String>) -> io::Error {
@@ -96,11 +101,7 @@ impl FlowSender {
         io: &mut S,
         payload: &[u8],
     ) -> io::Result<()> {
-        let len = u32::try_from(payload.len())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame larger than 4 GiB"))?;
-        let mut frame = Vec::with_capacity(4 + payload.len());
-        frame.extend_from_slice(&len.to_le_bytes());
-        frame.extend_from_slice(payload);
+        let frame = length_prefixed(payload)?;
         let piece = (self.window as usize).min(MAX_PIECE);
         let mut ack_buf = Vec::new();
         for chunk in frame.chunks(piece) {
