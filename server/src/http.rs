@@ -8,9 +8,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use axum::extract::{Path as UrlPath, State};
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{Html, IntoResponse, Response};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Html;
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
@@ -30,7 +30,7 @@ pub struct ClientFile {
     pub sha256: String,
 }
 
-/// `GET /model/manifest.json`.
+/// `GET /model/manifest.json`: every other file of the client part.
 #[derive(Debug, Clone, Serialize)]
 pub struct ClientManifest {
     pub model: String,
@@ -49,12 +49,15 @@ struct Status {
 
 struct HttpState {
     ctx: Arc<SessionContext>,
-    client_dir: PathBuf,
-    manifest: ClientManifest,
     http: String,
     browser_addresses: Vec<String>,
     /// Keeps the client part's folder alive as long as the server.
     _client_dir_guard: tempfile::TempDir,
+}
+
+/// Where the client part's files (and its manifest) are, inside the guard's folder.
+fn part_dir(guard: &tempfile::TempDir) -> PathBuf {
+    guard.path().join("part")
 }
 
 fn sha256_file(path: &Path) -> std::io::Result<String> {
@@ -77,18 +80,19 @@ pub struct HttpConfig {
     pub browser_addresses: Vec<String>,
 }
 
-/// Writes the client part of `checkpoint` into a folder owned by the server.
+/// Writes the client part of `checkpoint`, and `manifest.json` describing
+/// it, into a folder owned by the server.
 pub(crate) fn prepare_client_part(
     checkpoint: &corolla_model::Checkpoint,
     model: &str,
-) -> Result<(tempfile::TempDir, ClientManifest), ServerError> {
+) -> Result<tempfile::TempDir, ServerError> {
     let dir = tempfile::Builder::new()
         .prefix("corolla-client-part-")
         .tempdir()
         .map_err(|e| {
             ServerError::Config(format!("cannot create a folder for the client part: {e}"))
         })?;
-    let out = dir.path().join("part");
+    let out = part_dir(&dir);
     let names = corolla_model::convert::write_client_part(checkpoint, &out)?;
     let files = names
         .into_iter()
@@ -100,20 +104,26 @@ pub(crate) fn prepare_client_part(
             Ok(ClientFile { name, size, sha256 })
         })
         .collect::<Result<Vec<_>, ServerError>>()?;
-    Ok((
-        dir,
-        ClientManifest {
-            model: model.to_string(),
-            files,
-        },
-    ))
+    let manifest = ClientManifest {
+        model: model.to_string(),
+        files,
+    };
+    let path = out.join(MANIFEST);
+    let json =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| ServerError::Config(e.to_string()))?;
+    std::fs::write(&path, json)
+        .map_err(|e| ServerError::Config(format!("cannot write {}: {e}", path.display())))?;
+    Ok(dir)
 }
+
+/// The manifest's name beside the files it lists.
+const MANIFEST: &str = "manifest.json";
 
 /// Binds `config.listen` and serves until the returned task is aborted.
 pub(crate) async fn serve(
     config: HttpConfig,
     ctx: Arc<SessionContext>,
-    client_part: (tempfile::TempDir, ClientManifest),
+    client_part: tempfile::TempDir,
 ) -> Result<(SocketAddr, String, JoinHandle<()>), ServerError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -124,19 +134,18 @@ pub(crate) async fn serve(
         .local_addr()
         .map_err(|e| ServerError::Config(e.to_string()))?;
     let http = format!("http://{}:{}", config.public_host, local.port());
-    let (guard, manifest) = client_part;
+    // The folder holds the client part and its manifest only; ServeDir
+    // streams files (with ranges) and refuses paths that leave the folder.
+    let files = ServeDir::new(part_dir(&client_part));
     let state = Arc::new(HttpState {
         ctx,
-        client_dir: guard.path().join("part"),
-        manifest,
         http: http.clone(),
         browser_addresses: config.browser_addresses,
-        _client_dir_guard: guard,
+        _client_dir_guard: client_part,
     });
     let mut app = Router::new()
         .route("/api/status", get(status))
-        .route("/model/manifest.json", get(manifest_json))
-        .route("/model/{file}", get(client_file));
+        .nest_service("/model", files);
     app = match &config.web_dir {
         Some(dir) => app
             .fallback_service(ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html")))),
@@ -157,39 +166,6 @@ async fn status(State(state): State<Arc<HttpState>>) -> Json<Status> {
         http: state.http.clone(),
         browser_addresses: state.browser_addresses.clone(),
     })
-}
-
-async fn manifest_json(State(state): State<Arc<HttpState>>) -> Json<ClientManifest> {
-    Json(state.manifest.clone())
-}
-
-async fn client_file(
-    State(state): State<Arc<HttpState>>,
-    UrlPath(file): UrlPath<String>,
-) -> Response {
-    // Only the files of the manifest: the name never reaches the file system otherwise.
-    let Some(entry) = state.manifest.files.iter().find(|f| f.name == file) else {
-        return (StatusCode::NOT_FOUND, "no such file in the client part").into_response();
-    };
-    match tokio::fs::read(state.client_dir.join(&entry.name)).await {
-        Ok(bytes) => {
-            let mut response = bytes.into_response();
-            let headers = response.headers_mut();
-            headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/octet-stream"),
-            );
-            if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", entry.sha256)) {
-                headers.insert(header::ETAG, etag);
-            }
-            response
-        }
-        Err(e) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("cannot read {}: {e}", entry.name),
-        )
-            .into_response(),
-    }
 }
 
 async fn no_page() -> (StatusCode, Html<&'static str>) {
