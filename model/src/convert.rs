@@ -169,7 +169,7 @@ pub fn convert(
         spans,
         weight_map,
         fingerprint: Some(crate::fingerprint::fingerprint(source)?),
-        block_hashes: Some(crate::fingerprint::block_hashes(source, 0, num_layers)?),
+        block_hashes: Some(crate::fingerprint::weight_hashes(source, 0, num_layers)?),
         model_name: Some(crate::fingerprint::default_model_name(source)),
     };
     let path = out.join(COROLLA_INDEX);

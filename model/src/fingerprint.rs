@@ -53,8 +53,20 @@ fn is_layer(name: &str, layer: usize) -> bool {
         == Some(layer)
 }
 
-/// Hashes of blocks `[start, end)`, from the index when it has them.
+/// Hashes of blocks `[start, end)` as loaded: the weights' hashes, marked
+/// `+q` when quantized weights are kept quantized, since those blocks compute
+/// (slightly) other numbers than the same weights dequantized. A client then
+/// never chains servers that would answer differently from each other.
 pub fn block_hashes(checkpoint: &Checkpoint, start: usize, end: usize) -> Result<Vec<String>> {
+    let hashes = weight_hashes(checkpoint, start, end)?;
+    if checkpoint.is_gguf() && !checkpoint.dequantizes() {
+        return Ok(hashes.into_iter().map(|h| format!("{h}+q")).collect());
+    }
+    Ok(hashes)
+}
+
+/// Hashes of the weights of blocks `[start, end)`, from the index when it has them.
+pub fn weight_hashes(checkpoint: &Checkpoint, start: usize, end: usize) -> Result<Vec<String>> {
     checkpoint.check_layer_range(start, end)?;
     if let Some(hashes) = checkpoint
         .corolla_index()
@@ -106,7 +118,7 @@ pub fn fingerprint(checkpoint: &Checkpoint) -> Result<String> {
             .tensor_names()
             .filter(|n| !n.starts_with("model.layers.")),
     )?;
-    let blocks = block_hashes(checkpoint, 0, checkpoint.config().num_hidden_layers)?;
+    let blocks = weight_hashes(checkpoint, 0, checkpoint.config().num_hidden_layers)?;
     let mut hasher = Sha256::new();
     hasher.update((config.len() as u64).to_le_bytes());
     hasher.update(&config);

@@ -140,3 +140,24 @@ fn converted_gguf_parts_compute_the_same_and_keep_the_metadata() {
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn kept_quantized_blocks_are_told_apart_from_dequantized_ones() {
+    use corolla_model::fingerprint::block_hashes;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("tiny-q8.gguf");
+    write_tiny_gguf(&path, true, None);
+    let kept = block_hashes(&Checkpoint::open(&path).unwrap(), 0, 4).unwrap();
+    let dense = block_hashes(
+        &Checkpoint::open(&path).unwrap().with_dequantize(true),
+        0,
+        4,
+    )
+    .unwrap();
+    assert!(kept.iter().zip(&dense).all(|(k, d)| *k == format!("{d}+q")));
+    // Converted parts keep the weights' hashes; the mode is marked when loaded.
+    let out = tmp.path().join("parts");
+    corolla_model::convert::convert(&Checkpoint::open(&path).unwrap(), &out, 4, |_| {}).unwrap();
+    let parts = Checkpoint::open(&out).unwrap().with_dequantize(true);
+    assert_eq!(block_hashes(&parts, 0, 4).unwrap(), dense);
+}
