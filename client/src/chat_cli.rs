@@ -417,6 +417,17 @@ impl LocalSwarm {
             // Their own process group: Ctrl-C stops an answer, not the servers.
             #[cfg(unix)]
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+            // And if the demo dies without cleaning up (SIGKILL, a crash), so do they.
+            #[cfg(target_os = "linux")]
+            // SAFETY: prctl is async-signal-safe, as a pre_exec hook must be.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
             let child = cmd
                 .spawn()
                 .with_context(|| format!("cannot start {}", binary.display()))?;
