@@ -98,7 +98,12 @@ impl Signals {
             terminated: Arc::new(AtomicBool::new(false)),
         };
         let _guard = rt.enter();
-        let (generating, stop, quit, terminated) = signals.handles();
+        let (generating, stop, quit, terminated) = (
+            signals.generating.clone(),
+            signals.stop.clone(),
+            signals.quit.clone(),
+            signals.terminated.clone(),
+        );
         tokio::spawn(async move {
             while tokio::signal::ctrl_c().await.is_ok() {
                 if generating.load(Ordering::SeqCst) {
@@ -112,7 +117,11 @@ impl Signals {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
-            let (_, stop, quit, terminated) = signals.handles();
+            let (stop, quit, terminated) = (
+                signals.stop.clone(),
+                signals.quit.clone(),
+                signals.terminated.clone(),
+            );
             if let (Ok(mut term), Ok(mut hup)) = (
                 signal(SignalKind::terminate()),
                 signal(SignalKind::hangup()),
@@ -129,23 +138,6 @@ impl Signals {
             }
         }
         signals
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn handles(
-        &self,
-    ) -> (
-        Arc<AtomicBool>,
-        Arc<AtomicBool>,
-        Arc<Notify>,
-        Arc<AtomicBool>,
-    ) {
-        (
-            self.generating.clone(),
-            self.stop.clone(),
-            self.quit.clone(),
-            self.terminated.clone(),
-        )
     }
 
     fn terminated(&self) -> bool {

@@ -289,6 +289,8 @@ enum Blocks {
         node: NodeHandle,
         swarm: Box<SwarmArgs>,
         model: String,
+        /// Hashes of every block, computed once: each answer's sessions check them.
+        expected_blocks: Option<Vec<String>>,
     },
 }
 
@@ -336,6 +338,7 @@ impl Assistant {
                 node: connect(&swarm.initial_peers).await?,
                 swarm: Box::new(swarm.clone()),
                 model,
+                expected_blocks: block_hashes(&checkpoint, 0, cfg.num_hidden_layers).ok(),
             }
         };
         Ok(Assistant {
@@ -375,7 +378,12 @@ impl Assistant {
                     route: None,
                 })
             }
-            Blocks::Swarm { node, swarm, model } => {
+            Blocks::Swarm {
+                node,
+                swarm,
+                model,
+                expected_blocks,
+            } => {
                 let num_layers = self.checkpoint.config().num_hidden_layers;
                 let mut settings = SessionSettings::new(
                     model.clone(),
@@ -383,7 +391,7 @@ impl Assistant {
                     request.max_length().max(1),
                     wire_dtype(self.dtype)?,
                 );
-                settings.expected_blocks = block_hashes(&self.checkpoint, 0, num_layers).ok();
+                settings.expected_blocks = expected_blocks.clone();
                 settings.timeout = swarm.step_timeout;
                 settings.discovery_timeout = swarm.discovery_timeout;
                 settings.max_retries = swarm.max_retries;
