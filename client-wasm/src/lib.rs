@@ -1,4 +1,319 @@
-//! `corolla-wasm`: the JavaScript API over `corolla-client` for the web page.
+//! Corolla in the browser: a wasm-bindgen API over the same client core as
+//! the CLI. The page downloads the client part of the model (embeddings,
+//! final norm, LM head, tokenizer), joins the swarm over WebRTC-direct or
+//! WebSocket, and generates: tokenization, embedding, sampling and
+//! detokenization run here; the decoder blocks run on the servers.
 //!
-//! Not built yet; it arrives with the browser issue. `corolla-client`,
-//! `corolla-model` and `corolla-shared` already build for wasm32.
+//! JavaScript sees one class, `CorollaClient` (see `web/README.md`).
+//! The crate is empty on other targets.
+#![cfg(target_arch = "wasm32")]
+
+mod download;
+mod swarm;
+
+use std::cell::Cell;
+use std::ops::ControlFlow;
+use std::rc::Rc;
+use std::time::Duration;
+
+use corolla_client::{
+    generate_remote, ChatMessage, ChatTemplate, GenerateRequest, SessionSettings, TextStream,
+    TextTokenizer,
+};
+use corolla_model::{Checkpoint, ClientHead, DType, Device, QuantizedWeights, SamplingParams};
+use corolla_shared::flow::BROWSER_WINDOW;
+use corolla_shared::node::NodeHandle;
+use corolla_shared::WireDType;
+use js_sys::{Function, Promise};
+use serde::{Deserialize, Serialize};
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::future_to_promise;
+
+/// Limits on what a page may ask for: the servers bound sessions too, but
+/// a typo should fail here with a clear message.
+const MAX_NEW_TOKENS: usize = 4096;
+
+struct Inner {
+    model: String,
+    head: ClientHead,
+    tokenizer: TextTokenizer,
+    template: ChatTemplate,
+    node: std::cell::RefCell<Option<NodeHandle>>,
+    stop: Cell<bool>,
+    busy: Cell<bool>,
+}
+
+#[wasm_bindgen]
+pub struct CorollaClient {
+    inner: Rc<Inner>,
+}
+
+/// Sampling and length settings from JavaScript.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    #[serde(default)]
+    temperature: f64,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    top_k: Option<usize>,
+    #[serde(default = "default_max_new_tokens")]
+    max_new_tokens: usize,
+    #[serde(default)]
+    seed: u64,
+    #[serde(default = "default_true")]
+    stop_at_eos: bool,
+}
+
+fn default_max_new_tokens() -> usize {
+    128
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Serialize)]
+struct Info<'a> {
+    model: &'a str,
+    num_layers: usize,
+    hidden_size: usize,
+    vocab_size: usize,
+    max_positions: usize,
+}
+
+#[derive(Serialize)]
+struct AnswerJs<'a> {
+    text: String,
+    prompt_ids: &'a [u32],
+    generated_ids: &'a [u32],
+    stop_reason: corolla_client::StopReason,
+    tokens_per_second: f64,
+    prefill_seconds: f64,
+    total_seconds: f64,
+    route: &'a [corolla_client::Hop],
+    recoveries: &'a [corolla_client::Recovery],
+}
+
+fn error(message: impl std::fmt::Display) -> JsValue {
+    js_sys::Error::new(&message.to_string()).into()
+}
+
+fn to_js<T: Serialize>(value: &T) -> Result<JsValue, JsValue> {
+    value
+        .serialize(&serde_wasm_bindgen::Serializer::json_compatible())
+        .map_err(error)
+}
+
+#[wasm_bindgen(start)]
+fn start() {
+    console_error_panic_hook::set_once();
+}
+
+#[wasm_bindgen]
+impl CorollaClient {
+    /// Downloads (or takes from the browser cache) the client part that the
+    /// Corolla server at `server_url` serves, and builds tokenizer, chat
+    /// template and head. `on_progress({file, loaded, total, cached})`.
+    pub async fn load(server_url: String, on_progress: Function) -> Result<CorollaClient, JsValue> {
+        let base = server_url.trim_end_matches('/');
+        let manifest = download::manifest(base).await.map_err(error)?;
+        let mut files = Vec::with_capacity(manifest.files.len());
+        for file in &manifest.files {
+            let bytes = download::file(base, file, &on_progress)
+                .await
+                .map_err(error)?;
+            files.push((file.name.clone(), bytes));
+        }
+        let inner = build(manifest.model, files).map_err(error)?;
+        Ok(CorollaClient {
+            inner: Rc::new(inner),
+        })
+    }
+
+    /// `{model, num_layers, hidden_size, vocab_size, max_positions}`.
+    pub fn info(&self) -> Result<JsValue, JsValue> {
+        let cfg = self.inner.head.config();
+        to_js(&Info {
+            model: &self.inner.model,
+            num_layers: cfg.num_hidden_layers,
+            hidden_size: cfg.hidden_size,
+            vocab_size: cfg.vocab_size,
+            max_positions: cfg.max_position_embeddings,
+        })
+    }
+
+    /// Joins the swarm through `bootstrap` (multiaddrs ending in
+    /// `/p2p/<peer id>`); the transports of those addresses are the ones
+    /// used for every server. Resolves once one bootstrap peer is connected.
+    pub fn connect(&self, bootstrap: Vec<String>) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let node = swarm::connect(&bootstrap).await.map_err(error)?;
+            *inner.node.borrow_mut() = Some(node);
+            Ok(JsValue::UNDEFINED)
+        })
+    }
+
+    /// Answers the conversation `messages` (`[{role, content}]`) with the
+    /// model's chat template. `on_token(piece, token_id)` sees the text as it
+    /// streams. Resolves with the answer, its route and speed.
+    pub fn chat(&self, messages: JsValue, settings: JsValue, on_token: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let messages: Vec<ChatMessage> = serde_wasm_bindgen::from_value(messages)
+                .map_err(|e| error(format!("messages must be [{{role, content}}]: {e}")))?;
+            let text = inner.template.render(&messages, true).map_err(error)?;
+            let prompt_ids = inner.tokenizer.encode_chat(&text).map_err(error)?;
+            answer(&inner, prompt_ids, settings, on_token).await
+        })
+    }
+
+    /// Continues plain `prompt` text (no chat template), like `corolla generate`.
+    pub fn complete(&self, prompt: String, settings: JsValue, on_token: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let prompt_ids = inner.tokenizer.encode(&prompt).map_err(error)?;
+            answer(&inner, prompt_ids, settings, on_token).await
+        })
+    }
+
+    /// Ends the running answer after the token being computed; it resolves
+    /// with `stop_reason: "cancelled"`.
+    pub fn stop(&self) {
+        self.inner.stop.set(true);
+    }
+}
+
+fn build(model: String, files: Vec<(String, Vec<u8>)>) -> Result<Inner, String> {
+    let checkpoint = Checkpoint::from_memory(files)
+        .map_err(|e| e.to_string())?
+        // As the CLI does, so that both compute the same logits.
+        .with_quantized_weights(QuantizedWeights::Auto);
+    let tokenizer = TextTokenizer::for_checkpoint(&checkpoint).map_err(|e| e.to_string())?;
+    let cfg = checkpoint.config();
+    let template = ChatTemplate::new(
+        checkpoint
+            .chat_template()
+            .map_err(|e| e.to_string())?
+            .as_deref(),
+        &tokenizer,
+        cfg.bos_token_id,
+        cfg.eos_token_ids.first().copied(),
+    )
+    .map_err(|e| e.to_string())?;
+    let head =
+        ClientHead::load(&checkpoint, DType::F32, &Device::Cpu).map_err(|e| e.to_string())?;
+    Ok(Inner {
+        model,
+        head,
+        tokenizer,
+        template,
+        node: Default::default(),
+        stop: Cell::new(false),
+        busy: Cell::new(false),
+    })
+}
+
+/// Clears the busy flag however the answer ends.
+struct BusyGuard<'a>(&'a Cell<bool>);
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.set(false);
+    }
+}
+
+async fn answer(
+    inner: &Inner,
+    prompt_ids: Vec<u32>,
+    settings: JsValue,
+    on_token: Function,
+) -> Result<JsValue, JsValue> {
+    let settings: Settings = if settings.is_undefined() || settings.is_null() {
+        serde_wasm_bindgen::from_value(js_sys::Object::new().into())
+    } else {
+        serde_wasm_bindgen::from_value(settings)
+    }
+    .map_err(|e| error(format!("bad settings: {e}")))?;
+    if settings.max_new_tokens == 0 || settings.max_new_tokens > MAX_NEW_TOKENS {
+        return Err(error(format!(
+            "max_new_tokens must be 1..={MAX_NEW_TOKENS}, not {}",
+            settings.max_new_tokens
+        )));
+    }
+    let node = inner
+        .node
+        .borrow()
+        .clone()
+        .ok_or_else(|| error("not connected: call connect() first"))?;
+    if inner.busy.replace(true) {
+        return Err(error("an answer is already being generated"));
+    }
+    let _busy = BusyGuard(&inner.busy);
+    inner.stop.set(false);
+    let request = GenerateRequest {
+        prompt_ids,
+        max_new_tokens: settings.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: settings.temperature,
+            top_k: settings.top_k,
+            top_p: settings.top_p,
+            repetition_penalty: 1.0,
+            seed: settings.seed,
+        },
+        stop_at_eos: settings.stop_at_eos,
+    };
+    request.sampling.validate().map_err(error)?;
+    let cfg = inner.head.config();
+    let mut session = SessionSettings::new(
+        inner.model.clone(),
+        cfg.num_hidden_layers,
+        request.max_length().max(1),
+        WireDType::F32,
+    );
+    session.flow_window = BROWSER_WINDOW;
+    session.timeout = Duration::from_secs(60);
+    let mut stream = TextStream::default();
+    let mut callback_error = None;
+    let on_token = |token: u32| {
+        let piece = match stream.push(&inner.tokenizer, token) {
+            Ok(piece) => piece.unwrap_or_default(),
+            Err(e) => {
+                callback_error = Some(e.to_string());
+                return ControlFlow::Break(());
+            }
+        };
+        if let Err(e) = on_token.call2(&JsValue::NULL, &piece.into(), &token.into()) {
+            tracing::warn!(error = ?e, "the token callback threw");
+        }
+        if inner.stop.get() {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    };
+    let answer = generate_remote(&node, session, &inner.head, &request, on_token)
+        .await
+        .map_err(error)?;
+    if let Some(e) = callback_error {
+        return Err(error(e));
+    }
+    let output = answer.output.map_err(error)?;
+    let text = inner
+        .tokenizer
+        .decode(&output.generated_ids)
+        .map_err(error)?;
+    to_js(&AnswerJs {
+        text,
+        prompt_ids: &output.prompt_ids,
+        generated_ids: &output.generated_ids,
+        stop_reason: output.stop_reason,
+        tokens_per_second: output.tokens_per_second(),
+        prefill_seconds: output.prefill_time.as_secs_f64(),
+        total_seconds: output.total_time.as_secs_f64(),
+        route: &answer.route,
+        recoveries: &answer.recoveries,
+    })
+}

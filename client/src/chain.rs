@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{from_view, to_payload};
-use corolla_model::{Device, Tensor};
+use corolla_model::{ClientHead, Device, Tensor};
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::OpenRequest;
 use corolla_shared::session::{fetch_info, RemoteSession, SessionError};
@@ -16,7 +16,7 @@ use serde::Serialize;
 use web_time::Instant;
 
 use crate::error::ClientError;
-use crate::generate::BlockChain;
+use crate::generate::{generate, BlockChain, GenerateOutput, GenerateRequest};
 use crate::route::{matching_servers, plan_route_between, Hop, RouteCosts};
 
 /// Settings of the sessions a client opens.
@@ -411,4 +411,33 @@ impl BlockChain for RemoteChain {
         self.steps += 1;
         Ok(from_view(&payload.view(), &self.device)?)
     }
+}
+
+/// One answer generated through the swarm, with the route it took and the
+/// failures it survived (those are known even when the answer failed).
+pub struct RemoteAnswer {
+    pub output: Result<GenerateOutput, ClientError>,
+    pub route: Vec<Hop>,
+    pub recoveries: Vec<Recovery>,
+}
+
+/// Opens a chain through the swarm for `request`, generates, and closes the
+/// sessions: what the CLI and the browser client do for each answer.
+pub async fn generate_remote(
+    node: &NodeHandle,
+    settings: SessionSettings,
+    head: &ClientHead,
+    request: &GenerateRequest,
+    on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
+) -> Result<RemoteAnswer, ClientError> {
+    let mut chain = RemoteChain::connect(node, settings, head.device()).await?;
+    let route = chain.route();
+    let output = generate(head, &mut chain, request, on_token).await;
+    let recoveries = chain.recoveries().to_vec();
+    chain.close().await;
+    Ok(RemoteAnswer {
+        output,
+        route,
+        recoveries,
+    })
 }

@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
 use serde::Serialize;
 
-use crate::chain::{Recovery, RemoteChain, SessionSettings};
+use crate::chain::{generate_remote, Recovery, SessionSettings};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::generate::{generate, GenerateOutput, GenerateRequest};
 use crate::local::LocalChain;
@@ -279,7 +279,6 @@ pub(crate) struct Assistant {
     pub template: ChatTemplate,
     head: ClientHead,
     dtype: DType,
-    device: Device,
     blocks: Blocks,
 }
 
@@ -347,7 +346,6 @@ impl Assistant {
             template,
             head,
             dtype,
-            device,
             blocks,
         })
     }
@@ -398,14 +396,10 @@ impl Assistant {
                 settings.allowed_servers = (!swarm.allowed_servers.is_empty())
                     .then(|| swarm.allowed_servers.iter().cloned().collect());
                 settings.blocked_servers = swarm.blocked_servers.iter().cloned().collect();
-                let mut chain = RemoteChain::connect(node, settings, &self.device).await?;
-                let route = chain.route();
-                let output = generate(&self.head, &mut chain, request, on_token).await;
-                let recoveries = chain.recoveries().to_vec();
-                chain.close().await;
+                let answer = generate_remote(node, settings, &self.head, request, on_token).await?;
                 Ok(Answer {
-                    output: output?,
-                    route: Some((route, recoveries)),
+                    output: answer.output?,
+                    route: Some((answer.route, answer.recoveries)),
                 })
             }
         }

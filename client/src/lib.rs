@@ -24,7 +24,7 @@ pub mod models;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod network;
 
-pub use chain::{Recovery, RemoteChain, SessionSettings};
+pub use chain::{generate_remote, Recovery, RemoteAnswer, RemoteChain, SessionSettings};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ClientError;
 pub use generate::{generate, BlockChain, GenerateOutput, GenerateRequest, StopReason};

@@ -36,6 +36,7 @@ impl TextTokenizer {
     pub fn for_checkpoint(checkpoint: &Checkpoint) -> Result<Self, ClientError> {
         match checkpoint.tokenizer_source()? {
             TokenizerSource::Json(path) => Self::from_file(&path),
+            TokenizerSource::JsonBytes(json) => Self::from_bytes(&json),
             TokenizerSource::Gguf(t) => Self::from_gguf(&t),
         }
     }

@@ -12,17 +12,16 @@
 //! have downloaded) the files of the others.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use memmap2::Mmap;
 use safetensors::tensor::Metadata;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
+use crate::bytes::FileBytes;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, GgufTokenizer};
@@ -122,27 +121,38 @@ enum WeightFile {
 
 impl WeightFile {
     fn open(path: &Path) -> Result<Self> {
+        Self::from_bytes(path, FileBytes::map(path)?)
+    }
+
+    /// `path` names the file (its extension tells the format) and is used in errors.
+    fn from_bytes(path: &Path, bytes: FileBytes) -> Result<Self> {
         if path.extension().is_some_and(|e| e == "gguf") {
-            Ok(WeightFile::Gguf(GgufFile::open(path)?))
+            Ok(WeightFile::Gguf(GgufFile::from_bytes(path, bytes)?))
         } else {
-            Ok(WeightFile::Safetensors(MappedFile::open(path)?))
+            Ok(WeightFile::Safetensors(MappedFile::parse(path, bytes)?))
+        }
+    }
+
+    fn tensor_names(&self) -> Vec<String> {
+        match self {
+            WeightFile::Safetensors(f) => f.metadata.tensors().into_keys().collect(),
+            WeightFile::Gguf(g) => g.tensors().keys().cloned().collect(),
         }
     }
 }
 
 struct MappedFile {
-    mmap: Mmap,
+    mmap: FileBytes,
     data_start: usize,
     metadata: Metadata,
 }
 
 impl MappedFile {
     fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
-        // SAFETY: checkpoint files are read-only inputs; like every mmap-based
-        // loader (candle's included) we rely on nobody truncating them while
-        // the model runs.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        Self::parse(path, FileBytes::map(path)?)
+    }
+
+    fn parse(path: &Path, mmap: FileBytes) -> Result<Self> {
         let (header_len, metadata) =
             SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::invalid_file(path, e))?;
         Ok(MappedFile {
@@ -188,6 +198,8 @@ pub const AUTO_DEQUANTIZE_LIMIT: u64 = 2 << 30;
 pub enum TokenizerSource {
     /// A Hugging Face `tokenizer.json`.
     Json(PathBuf),
+    /// A `tokenizer.json` held in memory.
+    JsonBytes(Vec<u8>),
     /// The metadata of a GGUF file.
     Gguf(Box<GgufTokenizer>),
 }
@@ -204,6 +216,8 @@ pub struct Checkpoint {
     files: Mutex<HashMap<String, Arc<WeightFile>>>,
     /// Turn quantized weights into dense ones at load (the compute dtype).
     dequantize: bool,
+    /// Side files (tokenizer, tokenizer config) of a checkpoint held in memory.
+    side_files: Option<HashMap<String, Vec<u8>>>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -284,6 +298,7 @@ impl Checkpoint {
             corolla_index,
             files: Mutex::new(files),
             dequantize: false,
+            side_files: None,
         })
     }
 
@@ -318,7 +333,69 @@ impl Checkpoint {
             corolla_index: None,
             files: Mutex::new(files),
             dequantize: false,
+            side_files: None,
         })
+    }
+
+    /// A model folder held in memory, as a browser downloads a server's
+    /// client part: `config.json`, weight files (`*.safetensors`, `*.gguf`)
+    /// and side files such as `tokenizer.json`, by file name.
+    pub fn from_memory(files: impl IntoIterator<Item = (String, Vec<u8>)>) -> Result<Self> {
+        let dir = PathBuf::from("(downloaded model)");
+        let mut weight_files = HashMap::new();
+        let mut weight_map = HashMap::new();
+        let mut side_files = HashMap::new();
+        for (name, bytes) in files {
+            if name.ends_with(".safetensors") || name.ends_with(".gguf") {
+                let file = WeightFile::from_bytes(&dir.join(&name), FileBytes::Owned(bytes))?;
+                for tensor in file.tensor_names() {
+                    weight_map.insert(tensor, name.clone());
+                }
+                weight_files.insert(name, Arc::new(file));
+            } else {
+                side_files.insert(name, bytes);
+            }
+        }
+        if weight_files.is_empty() {
+            return Err(ModelError::NoWeights(dir));
+        }
+        let config = side_files
+            .get(CONFIG_FILE)
+            .ok_or_else(|| ModelError::invalid_file(&dir, "no config.json"))?;
+        let config =
+            LlamaConfig::from_json(&String::from_utf8_lossy(config)).map_err(|e| match e {
+                ModelError::InvalidConfig(msg) => {
+                    ModelError::invalid_file(dir.join(CONFIG_FILE), msg)
+                }
+                other => other,
+            })?;
+        Ok(Checkpoint {
+            dir,
+            single_file: None,
+            config,
+            weight_map,
+            corolla_index: None,
+            files: Mutex::new(weight_files),
+            dequantize: false,
+            side_files: Some(side_files),
+        })
+    }
+
+    /// A side file's bytes: from memory, or read from the folder.
+    fn side_file(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        if let Some(files) = &self.side_files {
+            return Ok(files.get(name).cloned());
+        }
+        if self.single_file.is_some() {
+            return Ok(None);
+        }
+        let path = self.dir.join(name);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        std::fs::read(&path)
+            .map(Some)
+            .map_err(|e| ModelError::io(&path, e))
     }
 
     /// Loads quantized weights as dense tensors of the compute dtype: more
@@ -379,9 +456,15 @@ impl Checkpoint {
     /// The model's tokenizer: `tokenizer.json` beside the weights, else the
     /// GGUF metadata.
     pub fn tokenizer_source(&self) -> Result<TokenizerSource> {
-        let json = self.tokenizer_path();
-        if self.single_file.is_none() && json.is_file() {
-            return Ok(TokenizerSource::Json(json));
+        if let Some(files) = &self.side_files {
+            if let Some(json) = files.get(TOKENIZER_FILE) {
+                return Ok(TokenizerSource::JsonBytes(json.clone()));
+            }
+        } else {
+            let json = self.tokenizer_path();
+            if self.single_file.is_none() && json.is_file() {
+                return Ok(TokenizerSource::Json(json));
+            }
         }
         if let Some(file) = self.client_gguf()? {
             if let WeightFile::Gguf(g) = file.as_ref() {
@@ -404,11 +487,11 @@ impl Checkpoint {
                 return Ok(g.chat_template());
             }
         }
-        let path = self.dir.join(TOKENIZER_CONFIG_FILE);
-        if self.single_file.is_some() || !path.is_file() {
+        let Some(bytes) = self.side_file(TOKENIZER_CONFIG_FILE)? else {
             return Ok(None);
-        }
-        let value: serde_json::Value = read_json(&path)?;
+        };
+        let value: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| ModelError::invalid_file(self.dir.join(TOKENIZER_CONFIG_FILE), e))?;
         Ok(match value.get("chat_template") {
             Some(serde_json::Value::String(t)) => Some(t.clone()),
             // A list of named templates: take the default one.

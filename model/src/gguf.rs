@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::Device;
-use memmap2::Mmap;
 
+use crate::bytes::FileBytes;
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 
@@ -97,7 +97,7 @@ pub struct GgufTensorInfo {
 /// A memory-mapped GGUF file with its parsed header.
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: FileBytes,
     metadata: HashMap<String, Value>,
     /// Keyed by Hugging Face name; tensors Corolla does not use are left out.
     tensors: HashMap<String, GgufTensorInfo>,
@@ -115,11 +115,13 @@ impl std::fmt::Debug for GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file = File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let content = Content::read(&mut file).map_err(|e| ModelError::invalid_file(path, e))?;
-        // SAFETY: as for safetensors files, weights are read-only inputs that
-        // nobody truncates while the model runs.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        Self::from_bytes(path, FileBytes::map(path)?)
+    }
+
+    /// Parses a GGUF file held in memory (or mapped); `path` names it in errors.
+    pub fn from_bytes(path: &Path, mmap: FileBytes) -> Result<Self> {
+        let content = Content::read(&mut std::io::Cursor::new(&mmap[..]))
+            .map_err(|e| ModelError::invalid_file(path, e))?;
         let mut tensors = HashMap::new();
         for (name, info) in &content.tensor_infos {
             let Some(hf) = hf_name(name) else {

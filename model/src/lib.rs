@@ -8,6 +8,7 @@
 //! Hugging Face folder, a GGUF file (kept quantized) or the layout written
 //! by [`convert::convert`].
 
+pub mod bytes;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;

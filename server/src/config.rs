@@ -136,6 +136,13 @@ pub struct ServerArgs {
     /// The built web page (trunk's `dist` folder) to serve over HTTP.
     #[arg(long, env = "COROLLA_WEB_DIR", requires = "http_port")]
     pub web_dir: Option<PathBuf>,
+    /// PEM certificate chain for pages served over https: adds a `wss`
+    /// listener (`/tls/ws`, port + 2) and makes `--http-port` serve https.
+    #[arg(long, env = "COROLLA_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "COROLLA_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Adds a fixed delay to every step (for tests of routing around slow servers).
     #[arg(long, env = "COROLLA_STEP_DELAY_MS", default_value_t = 0)]
     pub step_delay_ms: u64,

@@ -78,6 +78,8 @@ pub struct HttpConfig {
     pub public_host: String,
     pub web_dir: Option<PathBuf>,
     pub browser_addresses: Vec<String>,
+    /// Serve https with this certificate.
+    pub tls: Option<Arc<crate::tls::TlsIdentity>>,
 }
 
 /// Writes the client part of `checkpoint`, and `manifest.json` describing
@@ -133,7 +135,12 @@ pub(crate) async fn serve(
     let local = listener
         .local_addr()
         .map_err(|e| ServerError::Config(e.to_string()))?;
-    let http = format!("http://{}:{}", config.public_host, local.port());
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let http = format!("{scheme}://{}:{}", config.public_host, local.port());
     // The folder holds the client part and its manifest only; ServeDir
     // streams files (with ranges) and refuses paths that leave the folder.
     let files = ServeDir::new(part_dir(&client_part));
@@ -152,11 +159,21 @@ pub(crate) async fn serve(
         None => app.fallback(get(no_page)),
     };
     let app = app.layer(CorsLayer::permissive()).with_state(state);
-    let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::warn!(error = %e, "the HTTP server stopped");
+    let task = match &config.tls {
+        Some(identity) => {
+            let listener = crate::tls::TlsListener::new(listener, identity)?;
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::warn!(error = %e, "the HTTPS server stopped");
+                }
+            })
         }
-    });
+        None => tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::warn!(error = %e, "the HTTP server stopped");
+            }
+        }),
+    };
     Ok((local, http, task))
 }
 

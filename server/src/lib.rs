@@ -13,6 +13,7 @@ mod identity;
 mod measure;
 mod server;
 mod session;
+mod tls;
 
 pub use config::{BlockRange, ServerArgs};
 pub use http::{ClientFile, ClientManifest};

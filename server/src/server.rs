@@ -211,7 +211,15 @@ impl Server {
 
         let keypair = load_or_create_keypair(args.identity.as_deref())?;
         let certificate = load_or_create_certificate(args.identity.as_deref())?;
-        let swarm = native::build_swarm(keypair, args.update_period, Some(certificate))
+        let tls = match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(Arc::new(crate::tls::TlsIdentity::load(cert, key)?)),
+            _ => None,
+        };
+        let transports = native::ServerTransports {
+            webrtc: certificate,
+            websocket_tls: tls.as_ref().map(|t| t.websocket()).transpose()?,
+        };
+        let swarm = native::build_swarm(keypair, args.update_period, Some(transports))
             .await
             .map_err(|e| ServerError::Network(e.to_string()))?;
         let (mut node, handle, mut events) = Node::new(swarm);
@@ -245,14 +253,29 @@ impl Server {
             ),
             (
                 Multiaddr::empty()
-                    .with(ip)
+                    .with(ip.clone())
                     .with(Protocol::Udp(other_port))
                     .with(Protocol::WebRTCDirect),
                 false,
             ),
         ];
+        let wss_port = if args.port == 0 {
+            0
+        } else {
+            args.port.saturating_add(2)
+        };
+        let wss = tls.is_some().then(|| {
+            (
+                Multiaddr::empty()
+                    .with(ip)
+                    .with(Protocol::Tcp(wss_port))
+                    .with(Protocol::Tls)
+                    .with(Protocol::Ws("/".into())),
+                true,
+            )
+        });
         let mut pending = HashSet::new();
-        for (addr, required) in listeners {
+        for (addr, required) in listeners.into_iter().chain(wss) {
             match node.swarm_mut().listen_on(addr.clone()) {
                 Ok(id) => {
                     pending.insert(id);
@@ -428,6 +451,7 @@ impl Server {
                     listen: std::net::SocketAddr::new(args.host, port),
                     public_host,
                     web_dir: args.web_dir.clone(),
+                    tls: tls.clone(),
                     browser_addresses: addrs
                         .iter()
                         .filter(|a| {

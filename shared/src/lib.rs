@@ -7,6 +7,8 @@
 //! tokio so that it builds for every target, wasm32 included.
 
 pub mod behaviour;
+#[cfg(all(feature = "browser", target_arch = "wasm32"))]
+pub mod browser;
 pub mod flow;
 pub mod framing;
 pub mod limits;

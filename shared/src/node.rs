@@ -39,6 +39,8 @@ pub enum NodeError {
     Lookup(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    #[error("cannot connect to {peer}: {error}")]
+    Dial { peer: PeerId, error: String },
 }
 
 /// What a server publishes about itself.
@@ -59,7 +61,16 @@ enum Command {
     GetRecord(RecordKey, oneshot::Sender<Result<Vec<u8>, NodeError>>),
     Announce(Option<Announcement>),
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    /// Answered when the connection is up or the dial has failed.
+    Dial(
+        PeerId,
+        Vec<Multiaddr>,
+        oneshot::Sender<Result<(), NodeError>>,
+    ),
 }
+
+/// Which peer addresses a node may dial; see [`Node::only_dial`].
+pub type AddressFilter = Box<dyn Fn(&Multiaddr) -> bool + Send>;
 
 /// Listen outcomes reported to whoever started the node.
 #[derive(Debug, Clone)]
@@ -118,6 +129,8 @@ pub struct Node {
     lookup_tick: Delay,
     /// Servers advertise their listen addresses (or their public name) as external.
     advertise: Option<Option<String>>,
+    dials: HashMap<libp2p::swarm::ConnectionId, (PeerId, oneshot::Sender<Result<(), NodeError>>)>,
+    address_filter: Option<AddressFilter>,
 }
 
 impl Node {
@@ -143,6 +156,8 @@ impl Node {
             next_announce: Delay::new(Duration::from_secs(3600)),
             lookup_tick: Delay::new(LOOKUP_TICK),
             advertise: None,
+            dials: HashMap::new(),
+            address_filter: None,
         };
         (node, handle, events_rx)
     }
@@ -163,6 +178,16 @@ impl Node {
             .behaviour_mut()
             .kad
             .set_mode(Some(kad::Mode::Client));
+    }
+
+    /// Learns only the peer addresses `filter` admits (from the DHT, identify
+    /// and [`NodeHandle::add_address`]): a browser that must use one transport.
+    pub fn only_dial(&mut self, filter: AddressFilter) {
+        self.address_filter = Some(filter);
+    }
+
+    fn admits(&self, addr: &Multiaddr) -> bool {
+        self.address_filter.as_ref().is_none_or(|f| f(addr))
     }
 
     pub fn swarm_mut(&mut self) -> &mut Swarm<Behaviour> {
@@ -245,12 +270,39 @@ impl Node {
     }
 
     fn on_command(&mut self, command: Command) {
+        if let Command::AddAddress(peer, addr) = &command {
+            if !self.admits(addr) {
+                return;
+            }
+            self.swarm
+                .behaviour_mut()
+                .kad
+                .add_address(peer, addr.clone());
+            self.swarm.add_peer_address(*peer, addr.clone());
+            return;
+        }
+        if let Command::Dial(peer, addrs, reply) = command {
+            let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                .addresses(addrs)
+                .condition(libp2p::swarm::dial_opts::PeerCondition::Always)
+                .build();
+            let id = opts.connection_id();
+            match self.swarm.dial(opts) {
+                Ok(()) => {
+                    self.dials.insert(id, (peer, reply));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(NodeError::Dial {
+                        peer,
+                        error: e.to_string(),
+                    }));
+                }
+            }
+            return;
+        }
         let kad = &mut self.swarm.behaviour_mut().kad;
         match command {
-            Command::AddAddress(peer, addr) => {
-                kad.add_address(&peer, addr.clone());
-                self.swarm.add_peer_address(peer, addr);
-            }
+            Command::AddAddress(..) | Command::Dial(..) => {}
             Command::GetProviders(key, timeout, reply) => {
                 let id = kad.get_providers(key);
                 let deadline = Instant::now() + timeout;
@@ -309,13 +361,32 @@ impl Node {
             SwarmEvent::ListenerError { error, .. } => {
                 tracing::warn!(%error, "listener error");
             }
+            SwarmEvent::ConnectionEstablished { connection_id, .. } => {
+                if let Some((_, reply)) = self.dials.remove(&connection_id) {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                error,
+                ..
+            } => {
+                if let Some((peer, reply)) = self.dials.remove(&connection_id) {
+                    let _ = reply.send(Err(NodeError::Dial {
+                        peer,
+                        error: error.to_string(),
+                    }));
+                }
+            }
             // Only servers take part in the DHT; clients run Kademlia in
             // client mode and are never added.
             SwarmEvent::Behaviour(BehaviourEvent::Identify(
                 libp2p::identify::Event::Received { peer_id, info, .. },
             )) if info.protocols.contains(&crate::protocol::KADEMLIA_PROTOCOL) => {
                 for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    if self.admits(&addr) {
+                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
@@ -389,6 +460,21 @@ impl NodeHandle {
     /// Starts (or, with `None`, stops) announcing this server.
     pub async fn announce(&self, announcement: Option<Announcement>) -> Result<(), NodeError> {
         self.send(Command::Announce(announcement)).await
+    }
+
+    /// Connects to `peer` at `addrs` (with its own timeout: some transports
+    /// hang instead of failing).
+    pub async fn dial(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        timeout: Duration,
+    ) -> Result<(), NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Dial(peer, addrs, tx)).await?;
+        with_timeout(timeout, rx)
+            .await?
+            .map_err(|_| NodeError::Stopped)?
     }
 
     pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NodeError> {

@@ -10,7 +10,7 @@ use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{BlockSpan, Checkpoint, DType, Device, Tensor};
 use corolla_shared::flow::BROWSER_WINDOW;
-use corolla_shared::native::{build_swarm, new_webrtc_certificate};
+use corolla_shared::native::{build_swarm, new_webrtc_certificate, ServerTransports};
 use corolla_shared::node::Node;
 use corolla_shared::protocol::OpenRequest;
 use corolla_shared::session::RemoteSession;
@@ -155,7 +155,10 @@ async fn four_mib_each_way_over_webrtc_direct() {
     let swarm = build_swarm(
         key,
         Duration::from_secs(60),
-        Some(new_webrtc_certificate().unwrap()),
+        Some(ServerTransports {
+            webrtc: new_webrtc_certificate().unwrap(),
+            websocket_tls: None,
+        }),
     )
     .await
     .unwrap();

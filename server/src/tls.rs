@@ -1,0 +1,139 @@
+//! `--tls-cert`/`--tls-key`: the certificate that lets pages served over
+//! https reach this server, as `wss` for libp2p and https for the HTTP side
+//! (an https page may not fetch the model from an http URL).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use corolla_shared::native::WebSocketTls;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+use crate::server::ServerError;
+
+/// A PEM certificate chain and its private key.
+pub struct TlsIdentity {
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+/// A TLS handshake that takes longer than this is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections whose handshake is done but that axum has not taken yet.
+const ACCEPT_QUEUE: usize = 64;
+
+fn config_error(path: &Path, what: &str, e: impl std::fmt::Display) -> ServerError {
+    ServerError::Config(format!("{}: {what}: {e}", path.display()))
+}
+
+impl TlsIdentity {
+    pub fn load(cert: &Path, key: &Path) -> Result<Self, ServerError> {
+        let certs = CertificateDer::pem_file_iter(cert)
+            .map_err(|e| config_error(cert, "cannot read the certificate", e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| config_error(cert, "not a PEM certificate chain", e))?;
+        if certs.is_empty() {
+            return Err(config_error(
+                cert,
+                "no certificate",
+                "the file has no CERTIFICATE block",
+            ));
+        }
+        let key = PrivateKeyDer::from_pem_file(key)
+            .map_err(|e| config_error(key, "not a PEM private key", e))?;
+        let identity = TlsIdentity { certs, key };
+        // Fail at start-up, not at the first browser's handshake.
+        identity.server_config()?;
+        Ok(identity)
+    }
+
+    /// For the libp2p WebSocket transport's `/tls/ws` listeners.
+    pub fn websocket(&self) -> Result<WebSocketTls, ServerError> {
+        let key = libp2p::websocket::tls::PrivateKey::new(self.key.secret_der().to_vec());
+        let certs = self
+            .certs
+            .iter()
+            .map(|c| libp2p::websocket::tls::Certificate::new(c.to_vec()));
+        WebSocketTls::new(key, certs).map_err(|e| ServerError::Config(format!("TLS: {e}")))
+    }
+
+    fn server_config(&self) -> Result<rustls::ServerConfig, ServerError> {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .and_then(|b| {
+                b.with_no_client_auth()
+                    .with_single_cert(self.certs.clone(), self.key.clone_key())
+            })
+            .map_err(|e| ServerError::Config(format!("TLS certificate and key: {e}")))?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(config)
+    }
+}
+
+/// An https listener for `axum::serve`: handshakes run in their own tasks
+/// (with a deadline), so a slow or silent client never holds up the others.
+pub struct TlsListener {
+    local: SocketAddr,
+    ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+}
+
+impl TlsListener {
+    pub fn new(listener: TcpListener, identity: &TlsIdentity) -> Result<Self, ServerError> {
+        let local = listener
+            .local_addr()
+            .map_err(|e| ServerError::Config(e.to_string()))?;
+        let acceptor = TlsAcceptor::from(Arc::new(identity.server_config()?));
+        let (tx, ready) = mpsc::channel(ACCEPT_QUEUE);
+        tokio::spawn(async move {
+            loop {
+                let (tcp, peer) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors and the like: wait, do not spin.
+                        tracing::warn!(error = %e, "HTTPS accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                if tx.is_closed() {
+                    break;
+                }
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send((tls, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        Ok(TlsListener { local, ready })
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(conn) => conn,
+            // The accept task ends only with the runtime.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}

@@ -1,0 +1,647 @@
+// widget.js: the <corolla-chat> custom element, Corolla's browser chat UI.
+//
+// The element loads the WebAssembly client (corolla-wasm.js, which trunk builds into the same
+// folder as this file), downloads the model's client part (tokenizer, embeddings, head) from a
+// Corolla server, connects to the swarm over libp2p (WebRTC-direct or WebSocket) and streams
+// answers into the page. Markup and CSS live in an open shadow root, so the element can be
+// dropped into any page. Attributes, properties, events and the test hooks are documented in
+// web/README.md.
+
+const WASM_JS = 'corolla-wasm.js';
+const WASM_BIN = 'corolla-wasm_bg.wasm';
+const CONNECT_ATTEMPTS = 3;
+const CONNECT_RETRY_MS = 1000;
+const DEFAULTS = { temperature: 0.7, topP: 0.9, maxNewTokens: 128, heading: 'Corolla chat' };
+const TRANSPORTS = ['auto', 'webrtc-direct', 'websocket'];
+
+const BASE = new URL('.', import.meta.url);
+
+// The page trunk builds carries trunk's own loader, which initialises the same module. A second
+// init while that one is in flight would make a second instance and swap it in under objects of
+// the first, so let trunk's finish first (after which wasm-bindgen's init returns at once).
+function trunkLoaderDone() {
+  if (globalThis.wasmBindings) return Promise.resolve();
+  const loader = [...document.querySelectorAll('script[type="module"]:not([src])')]
+    .find((s) => s.textContent.includes('TrunkApplicationStarted'));
+  if (!loader) return Promise.resolve();
+  return new Promise((resolve) => {
+    addEventListener('TrunkApplicationStarted', () => resolve(), { once: true });
+    setTimeout(resolve, 20000); // trunk's loader failed: our own init will say why
+  });
+}
+
+// One WebAssembly instance per page, however many widgets there are.
+let wasmPromise = null;
+function loadWasm() {
+  if (!wasmPromise) {
+    wasmPromise = (async () => {
+      const mod = await import(new URL(WASM_JS, BASE).href);
+      await trunkLoaderDone();
+      await mod.default({ module_or_path: new URL(WASM_BIN, BASE) });
+      return mod;
+    })();
+    // A failed load (offline, missing file) must not poison a later retry.
+    wasmPromise.catch(() => { wasmPromise = null; });
+  }
+  return wasmPromise;
+}
+
+// wasm-bindgen may reject with an Error, a plain string or any other JsValue.
+function errorMessage(e) {
+  if (e instanceof Error) return e.message || String(e);
+  if (typeof e === 'string') return e;
+  if (typeof e?.message === 'string') return e.message;
+  try { return JSON.stringify(e); } catch { return String(e); }
+}
+
+// An error worth showing as is, prefixed with the stage that failed.
+class StageError extends Error {
+  constructor(stage, cause) {
+    super(`${stage}: ${errorMessage(cause)}`);
+    this.retryable = !(cause instanceof ConfigError);
+  }
+}
+// A mistake in the element's configuration: retrying cannot help.
+class ConfigError extends Error {}
+
+// Keeps the multiaddrs the chosen transport can dial. Components are compared whole, so
+// `/wss` is not mistaken for `/ws` and `/tls/ws` is recognised as secure.
+export function filterAddresses(addrs, transport, pageIsHttps) {
+  return addrs.filter((addr) => {
+    const parts = new Set(addr.split('/'));
+    const webrtc = parts.has('webrtc-direct');
+    const plainWs = parts.has('ws') && !parts.has('tls');
+    switch (transport) {
+      case 'webrtc-direct': return webrtc;
+      case 'websocket': return !webrtc && (parts.has('ws') || parts.has('wss'));
+      // An https page may not open an insecure WebSocket (mixed content), so don't try.
+      default: return !(pageIsHttps && plainWs);
+    }
+  });
+}
+
+// All peer ids start with the same "12D3KooW"; the tail tells them apart.
+function shortId(peerId) {
+  const id = String(peerId ?? '');
+  return id.length > 8 ? id.slice(-6) : id;
+}
+
+const mb = (bytes) => (bytes / (1024 * 1024)).toFixed(1);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function parseNumber(value) {
+  const s = String(value ?? '').trim();
+  return s === '' ? NaN : Number(s);
+}
+
+const STYLE = `
+:host {
+  --bg: var(--corolla-bg, #ffffff);
+  --fg: var(--corolla-fg, #1d2027);
+  --muted: var(--corolla-muted, #687080);
+  --line: var(--corolla-line, #dde1e8);
+  --panel: var(--corolla-panel, #f4f6f9);
+  --accent: var(--corolla-accent, #c2416c);
+  --accent-fg: var(--corolla-accent-fg, #ffffff);
+  --bot: var(--corolla-bot, #eef0f4);
+  --warn: var(--corolla-warn, #8a5a00);
+  --danger: var(--corolla-danger, #b3261e);
+  --danger-bg: var(--corolla-danger-bg, #fdecea);
+  --ok: var(--corolla-ok, #1e8e3e);
+  display: flex;
+  flex-direction: column;
+  box-sizing: border-box;
+  min-height: 420px;
+  min-width: 0;
+  overflow: hidden;
+  background: var(--bg);
+  color: var(--fg);
+  border: 1px solid var(--line);
+  border-radius: 12px;
+  font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
+}
+@media (prefers-color-scheme: dark) {
+  :host {
+    --bg: var(--corolla-bg, #16181d);
+    --fg: var(--corolla-fg, #e6e8ec);
+    --muted: var(--corolla-muted, #9aa1ad);
+    --line: var(--corolla-line, #2c313a);
+    --panel: var(--corolla-panel, #1d2027);
+    --accent: var(--corolla-accent, #e0668f);
+    --accent-fg: var(--corolla-accent-fg, #16181d);
+    --bot: var(--corolla-bot, #242832);
+    --warn: var(--corolla-warn, #e3b341);
+    --danger: var(--corolla-danger, #ff8a80);
+    --danger-bg: var(--corolla-danger-bg, #3a1d1d);
+    --ok: var(--corolla-ok, #5cc97b);
+  }
+}
+:host([hidden]) { display: none; }
+*, *::before, *::after { box-sizing: border-box; }
+[hidden] { display: none !important; }
+
+header {
+  display: flex; flex-wrap: wrap; align-items: center; gap: 4px 12px;
+  padding: 10px 14px; border-bottom: 1px solid var(--line); background: var(--panel);
+}
+.title { flex: 1 1 auto; min-width: 0; display: flex; align-items: baseline; gap: 8px; }
+h2 { margin: 0; font-size: 1rem; font-weight: 650; white-space: nowrap; }
+#model { color: var(--muted); font-size: .8rem; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+#status { display: inline-flex; align-items: center; gap: 6px; font-size: .8rem; color: var(--muted); }
+#status::before {
+  content: ""; width: 8px; height: 8px; border-radius: 50%; background: var(--warn);
+}
+:host([data-state="ready"]) #status::before { background: var(--ok); }
+:host([data-state="generating"]) #status::before { background: var(--accent); }
+:host([data-state="error"]) #status::before { background: var(--danger); }
+
+#error {
+  display: flex; align-items: flex-start; gap: 8px; margin: 8px 12px 0; padding: 8px 10px;
+  border-radius: 8px; background: var(--danger-bg); color: var(--danger); font-size: .875rem;
+}
+#error .text { flex: 1; min-width: 0; overflow-wrap: anywhere; white-space: pre-wrap; }
+#error button { flex: none; }
+
+#progress { padding: 8px 14px 0; font-size: .8rem; color: var(--muted); }
+#progress .label { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+#progress progress { width: 100%; height: 8px; accent-color: var(--accent); }
+
+#messages {
+  flex: 1 1 auto; min-height: 0; overflow-y: auto; overscroll-behavior: contain;
+  display: flex; flex-direction: column; gap: 10px; padding: 12px;
+}
+.hint { margin: auto; max-width: 32em; text-align: center; color: var(--muted); font-size: .875rem; }
+.msg { display: flex; flex-direction: column; max-width: 88%; }
+.msg.user { align-self: flex-end; align-items: flex-end; }
+.msg.assistant { align-self: flex-start; }
+.bubble {
+  padding: 8px 12px; border-radius: 14px; white-space: pre-wrap; overflow-wrap: anywhere;
+}
+.user .bubble { background: var(--accent); color: var(--accent-fg); border-bottom-right-radius: 4px; }
+.assistant .bubble { background: var(--bot); border-bottom-left-radius: 4px; }
+.streaming .bubble::after { content: "\\258D"; animation: blink 1s steps(1) infinite; opacity: .6; }
+@keyframes blink { 50% { opacity: 0; } }
+.failed .bubble { opacity: .55; }
+.meta { margin-top: 3px; font-size: .75rem; color: var(--muted); overflow-wrap: anywhere; }
+.notice { margin-top: 3px; font-size: .75rem; color: var(--warn); }
+.failed .meta { color: var(--danger); }
+
+#settings { border-top: 1px solid var(--line); padding: 6px 14px; font-size: .85rem; }
+#settings summary { cursor: pointer; color: var(--muted); user-select: none; }
+.fields { display: grid; grid-template-columns: repeat(auto-fit, minmax(96px, 1fr)); gap: 8px; padding: 8px 0 4px; }
+.fields label { display: flex; flex-direction: column; gap: 2px; color: var(--muted); font-size: .75rem; }
+.fields input {
+  width: 100%; padding: 5px 6px; font: inherit; font-size: .875rem; color: var(--fg);
+  background: var(--bg); border: 1px solid var(--line); border-radius: 6px;
+}
+.fields input[aria-invalid="true"] { border-color: var(--danger); }
+#settings-msg { color: var(--danger); font-size: .8rem; }
+
+form { display: flex; gap: 8px; padding: 10px 12px 12px; border-top: 1px solid var(--line); }
+textarea {
+  flex: 1 1 auto; min-width: 0; min-height: 44px; max-height: 160px; resize: none;
+  padding: 8px 10px; font: inherit; color: var(--fg); background: var(--bg);
+  border: 1px solid var(--line); border-radius: 10px;
+}
+textarea:focus, .fields input:focus { outline: 2px solid var(--accent); outline-offset: -1px; }
+.buttons { display: flex; flex-direction: column; gap: 6px; }
+button {
+  font: inherit; font-size: .875rem; padding: 7px 14px; border-radius: 10px; cursor: pointer;
+  border: 1px solid var(--line); background: var(--panel); color: var(--fg);
+}
+button:disabled { opacity: .5; cursor: not-allowed; }
+#send { background: var(--accent); color: var(--accent-fg); border-color: var(--accent); font-weight: 600; }
+#error button { padding: 2px 8px; font-size: .8rem; background: transparent; color: inherit; border-color: currentColor; }
+`;
+
+const TEMPLATE = `
+<style>${STYLE}</style>
+<header>
+  <div class="title"><h2 id="heading"></h2><span id="model"></span></div>
+  <span id="status" role="status" aria-live="polite"></span>
+</header>
+<div id="error" role="alert" hidden>
+  <span class="text"></span>
+  <button type="button" class="retry" hidden>Retry</button>
+  <button type="button" class="dismiss" aria-label="Dismiss">×</button>
+</div>
+<div id="progress" hidden>
+  <div class="label"></div>
+  <progress max="1"></progress>
+</div>
+<div id="messages" role="log" aria-live="polite">
+  <p class="hint">Answers are computed by a swarm of Corolla servers, each running a slice of the
+  model; your browser runs the rest.</p>
+</div>
+<details id="settings">
+  <summary>Settings</summary>
+  <div class="fields">
+    <label>Temperature<input id="temperature" type="number" min="0" max="2" step="0.1" inputmode="decimal"></label>
+    <label>Top-p<input id="top-p" type="number" min="0" max="1" step="0.05" inputmode="decimal"></label>
+    <label>Max new tokens<input id="max-new-tokens" type="number" min="1" max="2048" step="1" inputmode="numeric"></label>
+  </div>
+  <div id="settings-msg" role="alert"></div>
+</details>
+<form>
+  <textarea id="input" rows="2" placeholder="Ask something…" aria-label="Message"></textarea>
+  <div class="buttons">
+    <button id="send" type="submit" disabled>Send</button>
+    <button id="stop" type="button" hidden>Stop</button>
+  </div>
+</form>
+`;
+
+export class CorollaChat extends HTMLElement {
+  static observedAttributes = ['heading'];
+
+  #state = 'loading';
+  #client = null;
+  #lastResult = null;
+  #lastError = null;
+  #started = false;
+  #history = []; // user/assistant turns; the system prompt is prepended per request
+  #config = null;
+  #statusAddresses = null;
+
+  constructor() {
+    super();
+    this.attachShadow({ mode: 'open' }).innerHTML = TEMPLATE; // static markup; model output is only ever set as text
+
+    this.#q('form').addEventListener('submit', (e) => { e.preventDefault(); this.#send(); });
+    this.#q('#input').addEventListener('keydown', (e) => {
+      if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); this.#send(); }
+    });
+    this.#q('#input').addEventListener('input', () => this.#fitInput());
+    this.#q('#stop').addEventListener('click', () => this.stop());
+    this.#q('#error .dismiss').addEventListener('click', () => { this.#q('#error').hidden = true; });
+    this.#q('#error .retry').addEventListener('click', () => this.#start());
+    for (const id of ['#temperature', '#top-p', '#max-new-tokens']) {
+      this.#q(id).addEventListener('input', () => this.#readSettings(false));
+    }
+  }
+
+  #q(selector) { return this.shadowRoot.querySelector(selector); }
+
+  get state() { return this.#state; }
+  get lastResult() { return this.#lastResult; }
+  get lastError() { return this.#lastError; }
+  get client() { return this.#client; }
+
+  connectedCallback() {
+    this.#renderHeading();
+    if (this.#started) return;
+    this.#started = true;
+    this.#setState('loading');
+    // A microtask later, so attributes set right after the element is appended are still seen.
+    queueMicrotask(() => {
+      const config = this.#readConfig();
+      this.#q('#temperature').value = config.temperature;
+      this.#q('#top-p').value = config.topP;
+      this.#q('#max-new-tokens').value = config.maxNewTokens;
+      this.#start();
+    });
+  }
+
+  disconnectedCallback() {
+    if (this.#state === 'generating') this.#client?.stop();
+  }
+
+  attributeChangedCallback() { this.#renderHeading(); }
+
+  #renderHeading() {
+    this.#q('#heading').textContent = this.getAttribute('heading') || DEFAULTS.heading;
+  }
+
+  #readConfig() {
+    const attr = (name) => {
+      const v = this.getAttribute(name);
+      return v === null || v.trim() === '' ? null : v.trim();
+    };
+    const num = (name, fallback) => {
+      const v = parseNumber(attr(name));
+      return Number.isFinite(v) ? v : fallback;
+    };
+    const seed = parseNumber(attr('seed'));
+    return {
+      server: (attr('server') || new URL(import.meta.url).origin).replace(/\/+$/, ''),
+      bootstrap: attr('bootstrap')?.split(/[\s,]+/).filter(Boolean) ?? null,
+      transport: (attr('transport') || 'auto').toLowerCase(),
+      system: this.getAttribute('system') || null,
+      temperature: num('temperature', DEFAULTS.temperature),
+      topP: num('top-p', DEFAULTS.topP),
+      maxNewTokens: num('max-new-tokens', DEFAULTS.maxNewTokens),
+      seed: Number.isSafeInteger(seed) && seed >= 0 ? seed : null,
+    };
+  }
+
+  #setState(state) {
+    this.#state = state;
+    this.setAttribute('data-state', state);
+    const generating = state === 'generating';
+    this.#q('#send').disabled = state !== 'ready';
+    this.#q('#stop').hidden = !generating;
+    this.#q('#stop').disabled = false;
+    this.#q('#stop').textContent = 'Stop';
+    if (state === 'ready') this.#setStatus('ready');
+    else if (generating) this.#setStatus('answering…');
+    else if (state === 'error') this.#setStatus('error');
+  }
+
+  #setStatus(text) { this.#q('#status').textContent = text; }
+
+  #emit(name, detail) {
+    this.dispatchEvent(new CustomEvent(name, { detail, bubbles: true, composed: true }));
+  }
+
+  #showError(message, retryable) {
+    this.#q('#error .text').textContent = message;
+    this.#q('#error .retry').hidden = !retryable;
+    this.#q('#error').hidden = false;
+  }
+
+  // Records, shows and announces an error. Startup errors leave the element in "error".
+  #fail(message, { fatal, retryable = false }) {
+    this.#lastError = message;
+    if (fatal) this.#setState('error');
+    this.#showError(message, fatal && retryable);
+    this.#emit('corolla-error', { message });
+  }
+
+  // Load the model's client part, then join the swarm. Also the Retry button's action.
+  async #start() {
+    if (this.#state !== 'loading' && this.#state !== 'error') return;
+    // Re-read on every try: a retry should honour changed attributes and fresh server addresses.
+    this.#config = this.#readConfig();
+    this.#statusAddresses = null;
+    this.#lastError = null;
+    this.#q('#error').hidden = true;
+    try {
+      if (!this.#client) {
+        this.#setState('loading');
+        this.#setStatus('loading model…');
+        let mod;
+        try { mod = await loadWasm(); }
+        catch (e) { throw new StageError('Could not load the WebAssembly client', e); }
+        try {
+          this.#client = await mod.CorollaClient.load(this.#config.server, (p) => this.#showProgress(p));
+        } catch (e) {
+          throw new StageError('Model download failed', e);
+        } finally {
+          this.#q('#progress').hidden = true;
+        }
+        const info = this.#client.info();
+        this.#q('#model').textContent = info.model;
+        this.#q('#model').title = `${info.model}: ${info.num_layers} blocks, ` +
+          `hidden size ${info.hidden_size}, vocabulary ${info.vocab_size}, context ${info.max_positions}`;
+      }
+      this.#setState('connecting');
+      let addresses;
+      try { addresses = await this.#connect(); }
+      catch (e) { throw new StageError('Cannot connect', e); }
+      this.#setState('ready');
+      this.#emit('corolla-ready', { model: this.#client.info().model, addresses });
+    } catch (e) {
+      this.#fail(errorMessage(e), { fatal: true, retryable: e.retryable !== false });
+    }
+  }
+
+  #showProgress(p) {
+    const { file = '', loaded = 0, total = 0, cached = false } = p ?? {};
+    const box = this.#q('#progress');
+    const bar = box.querySelector('progress');
+    box.hidden = false;
+    this.#setStatus(cached ? 'loading model…' : 'downloading model…');
+    if (total > 0) {
+      bar.max = total;
+      bar.value = Math.min(loaded, total);
+    } else {
+      bar.removeAttribute('value'); // indeterminate: the server sent no length
+    }
+    const amount = total > 0 ? `${mb(loaded)} / ${mb(total)} MB` : `${mb(loaded)} MB`;
+    box.querySelector('.label').textContent = `${file}: ${amount}${cached ? ' (from cache)' : ''}`;
+  }
+
+  async #connect() {
+    let lastError;
+    for (let attempt = 1; attempt <= CONNECT_ATTEMPTS; attempt++) {
+      this.#setStatus(`connecting (attempt ${attempt}/${CONNECT_ATTEMPTS})`);
+      try {
+        const addresses = await this.#bootstrapAddresses();
+        await this.#client.connect(addresses);
+        return addresses;
+      } catch (e) {
+        if (e instanceof ConfigError) throw e;
+        lastError = e;
+        if (attempt < CONNECT_ATTEMPTS) await sleep(CONNECT_RETRY_MS);
+      }
+    }
+    throw new Error(`${errorMessage(lastError)} (${CONNECT_ATTEMPTS} attempts)`);
+  }
+
+  async #bootstrapAddresses() {
+    const { transport, server } = this.#config;
+    if (!TRANSPORTS.includes(transport)) {
+      throw new ConfigError(`unknown transport "${transport}" (use ${TRANSPORTS.join(', ')})`);
+    }
+    let all = this.#config.bootstrap;
+    let source = 'the bootstrap attribute';
+    if (!all) {
+      source = `${server}/api/status`;
+      if (!this.#statusAddresses) {
+        let status;
+        try {
+          const response = await fetch(`${server}/api/status`, { cache: 'no-store' });
+          if (!response.ok) throw new Error(`HTTP ${response.status}`);
+          status = await response.json();
+        } catch (e) {
+          throw new Error(`cannot read ${source}: ${errorMessage(e)}`);
+        }
+        this.#statusAddresses = Array.isArray(status.browser_addresses) ? status.browser_addresses : [];
+      }
+      all = this.#statusAddresses;
+    }
+    if (all.length === 0) throw new ConfigError(`${source} lists no addresses a browser can dial`);
+    const picked = filterAddresses(all, transport, location.protocol === 'https:');
+    if (picked.length === 0) {
+      const why = transport === 'auto'
+        ? 'only plain ws addresses, which an https page may not use'
+        : `no ${transport} address`;
+      throw new ConfigError(`${source} has ${why}: ${all.join(' ')}`);
+    }
+    return picked;
+  }
+
+  // Validates the settings panel. Throws (with the message shown) only when asked to.
+  #readSettings(strict = true) {
+    const fields = {
+      temperature: this.#q('#temperature'),
+      topP: this.#q('#top-p'),
+      maxNewTokens: this.#q('#max-new-tokens'),
+    };
+    const t = parseNumber(fields.temperature.value);
+    const p = parseNumber(fields.topP.value);
+    const n = parseNumber(fields.maxNewTokens.value);
+    const problems = [];
+    const check = (input, ok, text) => {
+      input.setAttribute('aria-invalid', String(!ok));
+      if (!ok) problems.push(text);
+    };
+    check(fields.temperature, t >= 0 && t <= 2, 'Temperature must be a number from 0 to 2 (0 = always the likeliest token).');
+    check(fields.topP, p >= 0 && p <= 1, 'Top-p must be a number from 0 to 1.');
+    check(fields.maxNewTokens, Number.isInteger(n) && n >= 1 && n <= 2048, 'Max new tokens must be a whole number from 1 to 2048.');
+    this.#q('#settings-msg').textContent = problems.join(' ');
+    if (problems.length && strict) {
+      this.#q('#settings').open = true;
+      throw new Error(problems.join(' '));
+    }
+    const settings = { temperature: t, top_p: p, max_new_tokens: n };
+    if (this.#config?.seed != null) settings.seed = this.#config.seed;
+    return settings;
+  }
+
+  #send() {
+    if (this.#state !== 'ready') return;
+    const input = this.#q('#input');
+    const text = input.value;
+    if (!text.trim()) return;
+    try { this.#readSettings(); } catch { return; } // keep the text; the panel says what to fix
+    input.value = '';
+    this.#fitInput();
+    this.ask(text).catch(() => {}); // the error is already shown in the banner
+  }
+
+  /** Sends `text` as the next user turn; resolves with the Result, rejects with an Error. */
+  async ask(text) {
+    text = String(text ?? '').trim();
+    if (!text) throw new Error('Type a message first.');
+    if (this.#state !== 'ready') {
+      throw new Error(this.#state === 'generating'
+        ? 'Still answering; stop it or wait for the answer.'
+        : `Not ready (${this.#state}).`);
+    }
+    let settings;
+    try { settings = this.#readSettings(); }
+    catch (e) { this.#lastError = e.message; this.#showError(e.message, false); throw e; }
+
+    this.#lastError = null;
+    this.#q('#error').hidden = true;
+    this.#setState('generating'); // synchronously, so a second Enter can't start a second chat
+    const userTurn = { role: 'user', content: text };
+    this.#history.push(userTurn);
+    const messages = this.#config.system
+      ? [{ role: 'system', content: this.#config.system }, ...this.#history]
+      : [...this.#history];
+    const userEl = this.#addMessage('user', text);
+    const botEl = this.#addMessage('assistant', '');
+    botEl.classList.add('streaming');
+    const bubble = botEl.querySelector('.bubble');
+    const stream = bubble.appendChild(document.createTextNode(''));
+    let count = 0;
+
+    try {
+      const result = await this.#client.chat(messages, settings, (piece, tokenId) => {
+        count += 1;
+        const follow = this.#atBottom();
+        stream.appendData(piece);
+        if (follow) this.#scrollToBottom();
+        this.#emit('corolla-token', { piece, tokenId, count });
+      });
+      const follow = this.#atBottom();
+      if (typeof result.text === 'string') bubble.textContent = result.text;
+      // Cancelled answers stay in the conversation too: the model did say that much.
+      this.#history.push({ role: 'assistant', content: bubble.textContent });
+      this.#addMeta(botEl, result);
+      if (follow) this.#scrollToBottom();
+      this.#lastResult = result;
+      this.#setState('ready');
+      this.#emit('corolla-answer', result);
+      return result;
+    } catch (e) {
+      const message = errorMessage(e);
+      // A question that never got an answer would confuse the next request: drop it.
+      const i = this.#history.lastIndexOf(userTurn);
+      if (i >= 0) this.#history.splice(i, 1);
+      userEl.classList.add('failed');
+      botEl.classList.add('failed');
+      if (!bubble.textContent) bubble.textContent = '(no answer)';
+      this.#addLine(botEl, 'meta', 'Failed; this turn is left out of the conversation.');
+      this.#setState('ready'); // before the event, so listeners may ask again at once
+      const stage = /no server covers|no route/i.test(message) ? 'No route' : 'Answer failed';
+      this.#fail(`${stage}: ${message}`, { fatal: false });
+      throw new Error(message);
+    } finally {
+      botEl.classList.remove('streaming');
+    }
+  }
+
+  /** Ends the running answer early; it resolves with stop_reason "cancelled". */
+  stop() {
+    if (this.#state !== 'generating') return;
+    this.#q('#stop').disabled = true;
+    this.#q('#stop').textContent = 'Stopping…';
+    this.#client?.stop();
+  }
+
+  #addMessage(role, text) {
+    this.#q('#messages .hint')?.remove();
+    const el = document.createElement('div');
+    el.className = `msg ${role}`;
+    const bubble = document.createElement('div');
+    bubble.className = 'bubble';
+    bubble.textContent = text;
+    el.append(bubble);
+    this.#q('#messages').append(el);
+    this.#scrollToBottom();
+    return el;
+  }
+
+  #addLine(parent, cls, text) {
+    const line = document.createElement('div');
+    line.className = cls;
+    line.textContent = text;
+    parent.append(line);
+    return line;
+  }
+
+  #addMeta(botEl, result) {
+    const tokens = result.generated_ids?.length ?? 0;
+    const speed = Number(result.tokens_per_second) || 0;
+    const meta = this.#addLine(botEl, 'meta', `${tokens} tokens · ${speed.toFixed(1)} tokens/s`);
+    const route = result.route ?? [];
+    if (route.length) {
+      meta.append(' · via ');
+      route.forEach((hop, i) => {
+        if (i) meta.append(', ');
+        const span = document.createElement('span');
+        span.textContent = `${shortId(hop.peer_id)} (${hop.start}..${hop.end})`;
+        span.title = `${hop.peer_id}: blocks ${hop.start}..${hop.end}`;
+        meta.append(span);
+      });
+    }
+    if (result.stop_reason === 'cancelled') meta.append(' · stopped');
+    for (const r of result.recoveries ?? []) {
+      const seconds = (Number(r.seconds) || 0).toFixed(1);
+      const line = this.#addLine(botEl, 'notice', `server ${shortId(r.failed_peer)} was lost; recovered in ${seconds}s`);
+      line.title = `${r.failed_peer} (blocks ${r.start}..${r.end}) failed at token ${r.step}: ${r.error}`;
+    }
+  }
+
+  #atBottom() {
+    const list = this.#q('#messages');
+    return list.scrollHeight - list.scrollTop - list.clientHeight < 48;
+  }
+
+  #scrollToBottom() {
+    const list = this.#q('#messages');
+    list.scrollTop = list.scrollHeight;
+  }
+
+  // Let the textarea grow with its text, up to the CSS max-height.
+  #fitInput() {
+    const input = this.#q('#input');
+    input.style.height = 'auto';
+    input.style.height = `${input.scrollHeight + 2}px`;
+  }
+}
+
+if (!customElements.get('corolla-chat')) customElements.define('corolla-chat', CorollaChat);
