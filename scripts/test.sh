@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+source scripts/web-tools.sh
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -12,11 +13,16 @@ rustup target list --installed | grep -qx wasm32-unknown-unknown || rustup targe
 rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed | grep -q '^clippy' || rustup component add clippy
 
+step "web tools: wasm-bindgen-cli, trunk, wasm-opt, Chromium, playwright-core"
+web_tools with-browser
+
 step "format"
 cargo fmt --all --check
 
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The browser client exists only for wasm32.
+cargo clippy --locked --target wasm32-unknown-unknown -p corolla-wasm -- -D warnings
 
 step "binaries (the tests run them)"
 cargo build --workspace --bins --locked
@@ -30,11 +36,11 @@ for attempt in 1 2 3; do
 done
 [ -n "$fetched" ] || { echo "cannot fetch the default model; its tests need it" >&2; exit 1; }
 
-step "tests"
-cargo test --workspace --locked
+step "web page (trunk: corolla-wasm in release, wasm-opt)"
+build_web
 
-step "wasm32 build of shared, model and client"
-cargo build --locked --profile wasm-check --target wasm32-unknown-unknown \
-    -p corolla-shared -p corolla-model -p corolla-client --lib
+step "tests"
+# The browser tests fail, rather than skip, if Chromium or the page is missing.
+COROLLA_REQUIRE_BROWSER=1 cargo test --workspace --locked
 
 step "all tests passed"

@@ -115,8 +115,16 @@ pub async fn manifest(base: &str) -> Result<Manifest, String> {
     Ok(manifest)
 }
 
+/// The model cache, where the page may have one: the Cache API exists only
+/// in secure contexts (https, localhost), so a page on `http://<ip>` has none.
 async fn open_cache() -> Option<Cache> {
-    let caches = web_sys::window()?.caches().ok()?;
+    let window = web_sys::window()?;
+    let present = Reflect::get(&window, &"caches".into()).ok()?;
+    if present.is_undefined() || present.is_null() {
+        tracing::info!("no Cache API here (not a secure context): the model is not kept");
+        return None;
+    }
+    let caches = window.caches().ok()?;
     let cache = JsFuture::from(caches.open(CACHE_NAME)).await.ok()?;
     cache.dyn_into().ok()
 }

@@ -82,17 +82,26 @@ pub async fn connect(bootstrap: &[String]) -> Result<NodeHandle, String> {
     }
     wasm_bindgen_futures::spawn_local(node.run());
 
+    // All of a peer's addresses in one dial: libp2p tries them side by side,
+    // so a transport that hangs (ICE) does not hold up one that works.
+    let mut by_peer: Vec<(PeerId, Vec<Multiaddr>)> = Vec::new();
+    for (peer, addr) in peers {
+        match by_peer.iter_mut().find(|(p, _)| *p == peer) {
+            Some((_, addrs)) => addrs.push(addr),
+            None => by_peer.push((peer, vec![addr])),
+        }
+    }
     let mut errors = Vec::new();
-    for (peer, addr) in &peers {
+    for (peer, addrs) in &by_peer {
         for attempt in 1..=DIAL_ATTEMPTS {
-            match handle.dial(*peer, vec![addr.clone()], DIAL_TIMEOUT).await {
+            match handle.dial(*peer, addrs.clone(), DIAL_TIMEOUT).await {
                 Ok(()) => {
-                    tracing::info!(%addr, attempt, "connected");
+                    tracing::info!(%peer, attempt, "connected");
                     return Ok(handle);
                 }
                 Err(e) => {
-                    tracing::warn!(%addr, attempt, error = %e, "dial failed");
-                    errors.push(format!("{addr} (attempt {attempt}): {e}"));
+                    tracing::warn!(%peer, attempt, error = %e, "dial failed");
+                    errors.push(format!("{peer} (attempt {attempt}): {e}"));
                 }
             }
         }

@@ -61,6 +61,12 @@ pub struct DemoArgs {
     /// Ask this one question, print the answer and stop, instead of chatting.
     #[arg(long)]
     prompt: Option<String>,
+    /// The built web chat (trunk's `dist` folder); `./dist` when it exists.
+    #[arg(long, env = "COROLLA_WEB_DIR")]
+    web_dir: Option<PathBuf>,
+    /// The web chat's HTTP port on 127.0.0.1 (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    http_port: u16,
     #[command(flatten)]
     chat: ChatOptions,
 }
@@ -346,6 +352,14 @@ impl Drop for LocalSwarm {
 #[derive(Deserialize)]
 struct AddrFile {
     addrs: Vec<String>,
+    #[serde(default)]
+    http: Option<String>,
+}
+
+/// What the first server of the demo serves over HTTP.
+struct WebOptions {
+    port: u16,
+    dir: Option<PathBuf>,
 }
 
 /// The `corolla-server` binary: beside this one, else on the PATH.
@@ -372,6 +386,7 @@ impl LocalSwarm {
         num_layers: usize,
         servers: usize,
         quantized: &str,
+        web: &WebOptions,
         signals: &Signals,
     ) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("corolla-demo-{}", std::process::id()));
@@ -402,7 +417,11 @@ impl LocalSwarm {
                 .stdout(Stdio::null())
                 .stderr(std::fs::File::create(&log)?);
             if i == 0 {
-                cmd.arg("--new-swarm");
+                cmd.arg("--new-swarm")
+                    .args(["--http-port", &web.port.to_string()]);
+                if let Some(dir) = &web.dir {
+                    cmd.arg("--web-dir").arg(dir);
+                }
             } else {
                 cmd.args(["--initial-peers", &swarm.bootstrap()?.to_string()]);
             }
@@ -453,10 +472,14 @@ impl LocalSwarm {
         }
     }
 
-    fn bootstrap(&self) -> Result<Multiaddr> {
+    fn first_server(&self) -> Result<AddrFile> {
         let text = std::fs::read_to_string(self.dir.join("server-0.json"))?;
-        let file: AddrFile = serde_json::from_str(&text)?;
-        file.addrs
+        Ok(serde_json::from_str(&text)?)
+    }
+
+    fn bootstrap(&self) -> Result<Multiaddr> {
+        self.first_server()?
+            .addrs
             .iter()
             .filter_map(|a| a.parse::<Multiaddr>().ok())
             .find(|a| {
@@ -484,9 +507,23 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     };
     let rt = runtime()?;
     let signals = Signals::install(&rt);
-    let swarm = LocalSwarm::start(&path, num_layers, args.servers, quantized, &signals)?;
+    let web = WebOptions {
+        port: args.http_port,
+        dir: args
+            .web_dir
+            .clone()
+            .or_else(|| Some(PathBuf::from("dist")).filter(|d| d.join("index.html").is_file())),
+    };
+    let swarm = LocalSwarm::start(&path, num_layers, args.servers, quantized, &web, &signals)?;
     let bootstrap = swarm.bootstrap()?;
     eprintln!("local swarm ready; bootstrap address {bootstrap}");
+    match (swarm.first_server()?.http, &web.dir) {
+        (Some(url), Some(_)) => eprintln!("web chat: {url}/  (open it in a browser)"),
+        (Some(url), None) => eprintln!(
+            "no web page to serve (build it with scripts/demo.sh, or pass --web-dir); the model and status are at {url}/api/status"
+        ),
+        (None, _) => {}
+    }
     let swarm_args = SwarmArgs {
         initial_peers: vec![bootstrap],
         model_name: None,

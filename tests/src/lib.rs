@@ -1,6 +1,8 @@
 //! Shared helpers for the cross-crate tests: fixture paths, the reference
 //! outputs computed by Hugging Face transformers, and error measures.
 
+pub mod browser;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

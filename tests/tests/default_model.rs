@@ -94,16 +94,30 @@ async fn three_servers_of_ten_blocks_give_the_reference_tokens() {
 #[test]
 fn demo_starts_a_local_swarm_and_answers() {
     let Some(model) = default_model() else { return };
+    let web = tempfile::tempdir().unwrap();
+    std::fs::write(
+        web.path().join("index.html"),
+        "<!doctype html><title>chat</title>",
+    )
+    .unwrap();
     let out = corolla(&[
         "demo",
         "--model",
         model.to_str().unwrap(),
+        "--http-port",
+        "0",
+        "--web-dir",
+        web.path().to_str().unwrap(),
         "--prompt",
         FRANCE,
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stdout.contains("Paris"), "{stdout:?}");
+    assert!(
+        stderr.contains("web chat: http://127.0.0.1:"),
+        "the demo must print the page's URL: {stderr}"
+    );
     for span in ["0..10", "10..20", "20..30"] {
         assert!(stderr.contains(span), "route {span} missing: {stderr}");
     }
@@ -219,7 +233,13 @@ fn converted_gguf_parts_answer_like_the_file() {
 /// `signal` to it and checks that its first server stops listening.
 fn demo_servers_stop_on(model: &Path, signal: &str) {
     let mut child = Command::new(corolla_bin())
-        .args(["demo", "--model", model.to_str().unwrap()])
+        .args([
+            "demo",
+            "--model",
+            model.to_str().unwrap(),
+            "--http-port",
+            "0",
+        ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

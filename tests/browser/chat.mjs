@@ -1,0 +1,124 @@
+// Drives Corolla's web chat (or the widget demo page) in Debian's headless
+// Chromium: waits until the page has loaded the model and joined the swarm,
+// sets greedy sampling, sends prompts through the real UI, and prints one
+// JSON line per event on stdout (`ready`, `token` for the first token of
+// each answer, `answer`, `error`), so a Rust test can act mid-answer (kill
+// a server) and compare the answers with `corolla generate`.
+//
+// node chat.mjs --url URL --prompt TEXT [--prompt TEXT...] [--max-new-tokens N]
+//               [--temperature T] [--screenshot PNG] [--timeout-s S]
+
+import { chromium } from 'playwright-core';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+
+const { values: args } = parseArgs({
+  options: {
+    url: { type: 'string' },
+    prompt: { type: 'string', multiple: true },
+    'max-new-tokens': { type: 'string', default: '32' },
+    temperature: { type: 'string', default: '0' },
+    screenshot: { type: 'string' },
+    'timeout-s': { type: 'string', default: '240' },
+    chromium: { type: 'string', default: process.env.CHROMIUM || '/usr/bin/chromium' },
+  },
+});
+if (!args.url || !args.prompt) {
+  console.error('usage: node chat.mjs --url URL --prompt TEXT [--prompt TEXT...]');
+  process.exit(2);
+}
+const timeout = Number(args['timeout-s']) * 1000;
+const emit = (event) => console.log(JSON.stringify(event));
+
+const profile = mkdtempSync(join(tmpdir(), 'corolla-chromium-'));
+// A fresh profile per run (Playwright wants it as the persistent context's folder).
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: args.chromium,
+  ignoreHTTPSErrors: true,
+  viewport: { width: 1000, height: 900 },
+  args: [
+    '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+    '--disable-background-networking', '--disable-component-update', '--disable-sync',
+    // WebRTC offers host candidates only to pages allowed the camera, and
+    // never on loopback unless told to.
+    '--allow-loopback-in-peer-connection',
+    '--disable-features=WebRtcHideLocalIpsWithMdns',
+    '--use-fake-ui-for-media-stream', '--use-fake-device-for-media-stream',
+    // Tests serve https/wss with a self-signed certificate.
+    '--ignore-certificate-errors',
+  ],
+});
+let failed = false;
+try {
+  // Secure origins only (https, localhost); the flag above covers the rest.
+  await context
+    .grantPermissions(['camera', 'microphone'], { origin: new URL(args.url).origin })
+    .catch(() => {});
+  const page = await context.newPage();
+  page.on('console', (m) => console.error(`[page ${m.type()}] ${m.text()}`));
+  page.on('pageerror', (e) => console.error(`[page error] ${e.message}`));
+  await page.exposeFunction('__corollaReport', (event) => emit(event));
+  await page.goto(args.url);
+
+  const chat = page.locator('corolla-chat');
+  const state = await page.waitForFunction(() => {
+    const el = document.querySelector('corolla-chat');
+    return el && (el.state === 'ready' || el.state === 'error') && el.state;
+  }, null, { timeout, polling: 100 }).then((h) => h.jsonValue());
+  if (state !== 'ready') {
+    const message = await chat.evaluate((el) => el.lastError);
+    throw new Error(`the page did not get ready: ${message}`);
+  }
+  emit({
+    event: 'ready',
+    info: await chat.evaluate((el) => el.client.info()),
+    system: await chat.evaluate((el) => el.getAttribute('system')),
+  });
+
+  await chat.evaluate((el) => {
+    el.addEventListener('corolla-token', (e) => {
+      if (e.detail.count === 1) window.__corollaReport({ event: 'token', count: 1 });
+    });
+  });
+  await page.locator('corolla-chat #settings summary').click().catch(() => {});
+  await page.locator('corolla-chat #temperature').fill(args.temperature);
+  await page.locator('corolla-chat #max-new-tokens').fill(args['max-new-tokens']);
+
+  for (const prompt of args.prompt) {
+    const done = chat.evaluate((el) => new Promise((resolve) => {
+      const finish = (kind) => (e) => {
+        el.removeEventListener('corolla-answer', onAnswer);
+        el.removeEventListener('corolla-error', onError);
+        resolve({ kind, detail: e.detail });
+      };
+      const onAnswer = finish('answer');
+      const onError = finish('error');
+      el.addEventListener('corolla-answer', onAnswer);
+      el.addEventListener('corolla-error', onError);
+    }));
+    await page.locator('corolla-chat #input').fill(prompt);
+    await page.locator('corolla-chat #send').click();
+    const outcome = await Promise.race([
+      done,
+      new Promise((_, reject) => setTimeout(() => reject(new Error('no answer in time')), timeout)),
+    ]);
+    if (outcome.kind === 'error') {
+      failed = true;
+      emit({ event: 'error', message: outcome.detail.message });
+      break;
+    }
+    emit({ event: 'answer', result: outcome.detail });
+  }
+  if (args.screenshot) {
+    await page.screenshot({ path: args.screenshot, fullPage: true });
+  }
+} catch (e) {
+  failed = true;
+  emit({ event: 'error', message: String(e && e.message ? e.message : e) });
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}
+process.exit(failed ? 1 : 0);

@@ -1,0 +1,345 @@
+//! The web chat and the widget in real headless Chromium against real
+//! servers: the page's greedy answers equal `corolla generate`'s token for
+//! token, over WebRTC-direct and over WebSocket (and `wss` from an https
+//! page), with prefills over 1 MiB, and through the loss of the server in
+//! use. Screenshots land in `tests/artifacts/`.
+//!
+//! The servers run in a network namespace (ICE ignores loopback); Chromium
+//! runs here. Without Chromium, the built page or namespaces, the tests say
+//! so and pass, unless `COROLLA_REQUIRE_BROWSER=1` (the README's test command).
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use corolla_model::random::{write_random_checkpoint, RandomSpec};
+use corolla_tests::browser::{
+    browser_missing, native_chat, run_page, web_dist, NetnsSwarm, PageRun,
+};
+use corolla_tests::{default_model, tiny_llama};
+use serde_json::Value;
+
+/// One Chromium and one swarm at a time: on two cores, parallel runs only
+/// make every timeout tighter.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn ready(why: &str) -> Option<NetnsSwarm> {
+    if let Some(missing) = browser_missing() {
+        eprintln!("SKIPPED {why}: {missing}");
+        return None;
+    }
+    let swarm = NetnsSwarm::create();
+    if swarm.is_none() {
+        eprintln!("SKIPPED {why}: cannot create a network namespace (needs root and iproute2)");
+    }
+    swarm
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an id list: {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("an id"))
+        .collect()
+}
+
+/// The page's only (or first) answer, after checking the run succeeded.
+fn first_answer(run: &PageRun) -> Value {
+    assert!(
+        run.success,
+        "the page failed: {:?}\n{}",
+        run.events, run.stderr
+    );
+    run.answers()
+        .first()
+        .map(|a| (*a).clone())
+        .unwrap_or_else(|| panic!("no answer: {:?}\n{}", run.events, run.stderr))
+}
+
+fn assert_same_tokens(page: &Value, native: &Value) {
+    assert_eq!(
+        ids(&page["prompt_ids"]),
+        ids(&native["prompt_ids"]),
+        "prompt ids differ"
+    );
+    let generated = ids(&page["generated_ids"]);
+    assert!(!generated.is_empty());
+    assert_eq!(
+        generated,
+        ids(&native["generated_ids"]),
+        "page: {:?}",
+        page["text"]
+    );
+}
+
+/// The page's route covers every block, on the servers of `swarm`.
+fn assert_route_covers(page: &Value, num_layers: u64) {
+    let route = page["route"].as_array().expect("route");
+    let mut next = 0;
+    for hop in route {
+        assert_eq!(hop["start"].as_u64(), Some(next), "route {route:?}");
+        next = hop["end"].as_u64().expect("end");
+    }
+    assert_eq!(next, num_layers, "route {route:?}");
+}
+
+const FRANCE: &str = "What is the capital of France?";
+
+#[test]
+fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
+    let _one = serial();
+    let Some(model) = default_model() else { return };
+    let Some(mut swarm) = ready("chat page and widget") else {
+        return;
+    };
+    let web = web_dist();
+    let web = web.to_str().unwrap();
+    swarm.start_server(&model, 0, 15, &["--http-port", "0", "--web-dir", web]);
+    swarm.start_server(&model, 15, 30, &[]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let bootstrap = swarm.servers[0].tcp_addr();
+
+    // The chat page, WebRTC-direct only, two turns.
+    let run = run_page(
+        &format!("{http}/?transport=webrtc-direct"),
+        &[FRANCE, "And of Germany?"],
+        24,
+        "chat-page-webrtc",
+        || {},
+    );
+    let answer = first_answer(&run);
+    let native = native_chat(&model, &bootstrap, FRANCE, None, 24);
+    assert_same_tokens(&answer, &native);
+    assert!(
+        answer["text"].as_str().unwrap().contains("Paris"),
+        "{answer}"
+    );
+    assert_route_covers(&answer, 30);
+    let answers = run.answers();
+    assert_eq!(
+        answers.len(),
+        2,
+        "the second turn got no answer: {:?}",
+        run.events
+    );
+    assert!(!ids(&answers[1]["generated_ids"]).is_empty());
+
+    // The widget on its demo page, WebSocket only; it sets a system prompt.
+    let prompt = "Name one vegetable that grows well in shade.";
+    let run = run_page(
+        &format!("{http}/widget-demo.html?transport=websocket"),
+        &[prompt],
+        24,
+        "widget-demo-websocket",
+        || {},
+    );
+    let answer = first_answer(&run);
+    let system = run
+        .events
+        .iter()
+        .find(|e| e["event"] == "ready")
+        .and_then(|e| e["system"].as_str())
+        .map(str::to_string);
+    assert!(system.is_some(), "the demo page sets a system prompt");
+    let native = native_chat(&model, &bootstrap, prompt, system.as_deref(), 24);
+    assert_same_tokens(&answer, &native);
+    assert_route_covers(&answer, 30);
+}
+
+fn live_sessions(http: &str) -> u64 {
+    ureq::get(&format!("{http}/api/status"))
+        .timeout(Duration::from_secs(5))
+        .call()
+        .ok()
+        .and_then(|r| r.into_json::<Value>().ok())
+        .and_then(|v| v["sessions"].as_u64())
+        .unwrap_or(0)
+}
+
+#[test]
+fn page_recovers_when_the_server_in_use_is_killed() {
+    let _one = serial();
+    let Some(model) = default_model() else { return };
+    let Some(mut swarm) = ready("kill and recover") else {
+        return;
+    };
+    let web = web_dist();
+    let web = web.to_str().unwrap();
+    swarm.start_server(&model, 0, 15, &["--http-port", "0", "--web-dir", web]);
+    swarm.start_server(&model, 15, 30, &["--http-port", "0"]);
+    swarm.start_server(&model, 15, 30, &["--http-port", "0"]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let replicas: Vec<String> = swarm.servers[1..]
+        .iter()
+        .map(|s| s.http().expect("http").to_string())
+        .collect();
+
+    let mut killed = None;
+    let run = run_page(
+        &format!("{http}/?transport=webrtc-direct"),
+        &[FRANCE],
+        40,
+        "chat-page-recovered",
+        || {
+            let in_use = replicas.iter().position(|r| live_sessions(r) > 0);
+            if let Some(i) = in_use {
+                swarm.servers[i + 1].kill();
+                killed = Some(i + 1);
+            }
+        },
+    );
+    let killed = killed.expect("one replica of blocks 15..30 had the page's session");
+    let answer = first_answer(&run);
+    let recoveries = answer["recoveries"].as_array().expect("recoveries");
+    assert!(
+        !recoveries.is_empty(),
+        "the page reported no recovery: {answer}"
+    );
+    let survivor = if killed == 1 { 2 } else { 1 };
+    assert_eq!(
+        recoveries[0]["replacement"][0]["peer_id"].as_str(),
+        Some(swarm.servers[survivor].peer_id()),
+        "{recoveries:?}"
+    );
+    let native = native_chat(&model, &swarm.servers[0].tcp_addr(), FRANCE, None, 40);
+    assert_same_tokens(&answer, &native);
+}
+
+/// Hidden size 2048 f32: 8 KiB per token, so a prompt of 128+ tokens sends
+/// more than 1 MiB in the prefill.
+const WIDE_HIDDEN: usize = 2048;
+
+fn wide_model(dir: &Path) {
+    let vocab = corolla_tests::read_config(&tiny_llama())["vocab_size"]
+        .as_u64()
+        .unwrap() as usize;
+    write_random_checkpoint(
+        dir,
+        &RandomSpec {
+            hidden_size: WIDE_HIDDEN,
+            num_layers: 2,
+            num_heads: 16,
+            num_kv_heads: 8,
+            intermediate_size: 1024,
+            vocab_size: vocab,
+            max_positions: 1024,
+            seed: 11,
+        },
+    )
+    .unwrap();
+    for side in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny_llama().join(side), dir.join(side)).unwrap();
+    }
+}
+
+#[test]
+fn prefills_over_one_mib_cross_both_browser_transports() {
+    let _one = serial();
+    let Some(mut swarm) = ready("1 MiB prefills") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("wide");
+    wide_model(&model);
+    let web = web_dist();
+    let web = web.to_str().unwrap();
+    swarm.start_server(&model, 0, 1, &["--http-port", "0", "--web-dir", web]);
+    swarm.start_server(&model, 1, 2, &[]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let prompt = "The quick brown fox jumps over the lazy dog while the garden grows. ".repeat(12);
+    for (page, transport) in [("", "webrtc-direct"), ("widget-demo.html", "websocket")] {
+        let name = format!("wide-prefill-{transport}");
+        let run = run_page(
+            &format!("{http}/{page}?transport={transport}"),
+            &[&prompt],
+            8,
+            &name,
+            || {},
+        );
+        let answer = first_answer(&run);
+        let prefill_bytes = ids(&answer["prompt_ids"]).len() * WIDE_HIDDEN * 4;
+        assert!(prefill_bytes > 1 << 20, "prefill of {prefill_bytes} bytes");
+        let system = run
+            .events
+            .iter()
+            .find(|e| e["event"] == "ready")
+            .and_then(|e| e["system"].as_str())
+            .map(str::to_string);
+        let native = native_chat(
+            &model,
+            &swarm.servers[0].tcp_addr(),
+            &prompt,
+            system.as_deref(),
+            8,
+        );
+        assert_same_tokens(&answer, &native);
+        assert_route_covers(&answer, 2);
+    }
+}
+
+#[test]
+fn https_page_reaches_the_swarm_over_wss() {
+    let _one = serial();
+    let Some(mut swarm) = ready("https and wss") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cert, key) = (tmp.path().join("cert.pem"), tmp.path().join("key.pem"));
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+        ])
+        .args(["-nodes", "-days", "2", "-subj", "/CN=corolla-test"])
+        .args(["-addext", &format!("subjectAltName=IP:{}", swarm.inner_ip)])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(made, "openssl could not make a test certificate");
+    let model = tiny_llama();
+    let web = web_dist();
+    swarm.start_server(
+        &model,
+        0,
+        4,
+        &[
+            "--http-port",
+            "0",
+            "--web-dir",
+            web.to_str().unwrap(),
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let server = &swarm.servers[0];
+    let http = server.http().expect("http").to_string();
+    assert!(http.starts_with("https://"), "{http}");
+    let wss = server
+        .addr(|a| a.contains("/tls/ws"))
+        .expect("a /tls/ws address");
+    let prompt = "Hello there";
+    let run = run_page(
+        &format!("{http}/?bootstrap={wss}"),
+        &[prompt],
+        12,
+        "chat-page-https-wss",
+        || {},
+    );
+    let answer = first_answer(&run);
+    let native = native_chat(&model, &server.tcp_addr(), prompt, None, 12);
+    assert_same_tokens(&answer, &native);
+}
