@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Benchmarks: generation through a 4-server swarm on loopback vs one process,
-# and the default model in `corolla demo`'s 3-server layout vs one process,
-# side by side in one run. Writes the figures to BENCHMARKS.md.
+# the default model in `corolla demo`'s 3-server layout vs one process, and
+# the web chat in Chromium vs the native client on the same swarm, side by
+# side in one run. Writes the figures to BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+source scripts/web-tools.sh
+# The browser section needs the page, Chromium and playwright-core.
+web_tools with-browser
+build_web
 # The dev profile optimises every dependency (candle, libp2p), which is where
 # the time goes; it shares the test build instead of compiling a release one.
 cargo build --locked -p corolla-tests --bin corolla-bench -p corolla-client --bin corolla

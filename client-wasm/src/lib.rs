@@ -23,6 +23,7 @@ use corolla_client::{
 use corolla_model::{Checkpoint, ClientHead, DType, Device, QuantizedWeights, SamplingParams};
 use corolla_shared::flow::BROWSER_WINDOW;
 use corolla_shared::node::NodeHandle;
+use corolla_shared::session::StepTimeout;
 use corolla_shared::WireDType;
 use js_sys::{Function, Promise};
 use serde::{Deserialize, Serialize};
@@ -275,6 +276,12 @@ async fn answer(
     );
     session.flow_window = BROWSER_WINDOW;
     session.timeout = Duration::from_secs(60);
+    // A WebRTC peer that vanished is noticed by the browser only after ~30 s
+    // of ICE consent failures; a one-token step that takes 8 s is a lost server.
+    session.step_timeout = Some(StepTimeout {
+        base: Duration::from_secs(8),
+        per_position: Duration::from_millis(20),
+    });
     let mut stream = TextStream::default();
     let mut callback_error = None;
     let on_token = |token: u32| {

@@ -9,7 +9,7 @@ use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{ClientHead, Device, Tensor};
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::OpenRequest;
-use corolla_shared::session::{fetch_info, RemoteSession, SessionError};
+use corolla_shared::session::{fetch_info, RemoteSession, SessionError, StepTimeout};
 use corolla_shared::{ServerRecord, TensorPayload, WireDType};
 use libp2p::PeerId;
 use serde::Serialize;
@@ -30,6 +30,8 @@ pub struct SessionSettings {
     pub dtype: WireDType,
     /// How long one step may take before the server counts as failed.
     pub timeout: Duration,
+    /// A tighter deadline for short steps (see [`StepTimeout`]); `None`: `timeout` for all.
+    pub step_timeout: Option<StepTimeout>,
     /// How long to look for servers covering the blocks needed.
     pub discovery_timeout: Duration,
     /// Failures survived in one session before giving up.
@@ -57,6 +59,7 @@ impl SessionSettings {
             max_length,
             dtype,
             timeout: Duration::from_secs(60),
+            step_timeout: None,
             discovery_timeout: Duration::from_secs(30),
             max_retries: 8,
             allowed_servers: None,
@@ -129,6 +132,10 @@ pub struct RemoteChain {
     costs: RouteCosts,
     /// Peer id -> (failures, banned until).
     bans: HashMap<String, (u32, Instant)>,
+    /// The servers the last DHT lookup found: a recovery routes around a
+    /// failed server from these first, without waiting on a lookup that may
+    /// hang on the dead peer.
+    known: Vec<ServerRecord>,
     recoveries: Vec<Recovery>,
     steps: usize,
 }
@@ -155,6 +162,7 @@ impl RemoteChain {
             device: device.clone(),
             hops: Vec::new(),
             bans: HashMap::new(),
+            known: Vec::new(),
             recoveries: Vec::new(),
             steps: 0,
         };
@@ -229,18 +237,28 @@ impl RemoteChain {
     /// time is up) and picks the fastest chain among them.
     async fn find_route(&mut self, from: usize, to: usize) -> Result<Vec<Hop>, ClientError> {
         let deadline = Instant::now() + self.settings.discovery_timeout;
+        let mut from_known = !self.known.is_empty();
         loop {
-            let found = self
-                .node
-                .discover(&self.settings.model, Duration::from_secs(5))
-                .await
-                .unwrap_or_default();
+            let used_known = std::mem::take(&mut from_known);
+            let found = if used_known {
+                self.known.clone()
+            } else {
+                let found = self
+                    .node
+                    .discover(&self.settings.model, Duration::from_secs(5))
+                    .await
+                    .unwrap_or_default();
+                self.known = found.clone();
+                found
+            };
             let mut records = matching_servers(found, self.settings.expected_blocks.as_deref());
             records.retain(|r| self.settings.admits(&r.peer_id) && !self.banned(&r.peer_id));
             self.measure_rtts(&records).await;
             match plan_route_between(&records, from, to, &self.costs) {
                 Ok(route) => return Ok(route),
                 Err(e) if Instant::now() >= deadline => return Err(e),
+                // The known servers did not do: look them up now.
+                Err(_) if used_known => {}
                 Err(_) => corolla_shared::node::sleep(Duration::from_millis(300)).await,
             }
         }
@@ -294,7 +312,11 @@ impl RemoteChain {
             flow_window: self.settings.flow_window,
         };
         let mut control = self.node.control();
-        Ok(RemoteSession::open(&mut control, peer, request, self.settings.timeout).await?)
+        Ok(
+            RemoteSession::open(&mut control, peer, request, self.settings.timeout)
+                .await?
+                .with_step_timeout(self.settings.step_timeout),
+        )
     }
 
     /// Replaces the servers of hop `index` after `error`, replaying its history.
@@ -413,8 +435,8 @@ impl BlockChain for RemoteChain {
     }
 }
 
-/// One answer generated through the swarm, with the route it took and the
-/// failures it survived (those are known even when the answer failed).
+/// One answer generated through the swarm, with the route that finished it
+/// and the failures it survived (known even when the answer failed).
 pub struct RemoteAnswer {
     pub output: Result<GenerateOutput, ClientError>,
     pub route: Vec<Hop>,
@@ -431,8 +453,9 @@ pub async fn generate_remote(
     on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<RemoteAnswer, ClientError> {
     let mut chain = RemoteChain::connect(node, settings, head.device()).await?;
-    let route = chain.route();
     let output = generate(head, &mut chain, request, on_token).await;
+    // After recoveries, the servers that finished the answer.
+    let route = chain.route();
     let recoveries = chain.recoveries().to_vec();
     chain.close().await;
     Ok(RemoteAnswer {

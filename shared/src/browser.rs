@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::core::transport::timeout::TransportTimeout;
 use libp2p::core::upgrade::Version;
 use libp2p::core::Transport;
 use libp2p::identity::Keypair;
@@ -14,6 +15,8 @@ use crate::behaviour::Behaviour;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+const WEBRTC_DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub fn build_browser_swarm(
     keypair: Keypair,
     update_period: Duration,
@@ -21,10 +24,15 @@ pub fn build_browser_swarm(
     let swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
         .with_wasm_bindgen()
         .with_other_transport(|key| {
-            Ok::<_, BoxError>(
+            let webrtc =
                 libp2p::webrtc_websys::Transport::new(libp2p::webrtc_websys::Config::new(key))
-                    .map(|(peer, conn), _| (peer, StreamMuxerBox::new(conn))),
-            )
+                    .map(|(peer, conn), _| (peer, StreamMuxerBox::new(conn)));
+            // A healthy dial takes ~200 ms; one to a dead server would wait
+            // out ICE and hold up DHT queries meanwhile.
+            Ok::<_, BoxError>(TransportTimeout::with_outgoing_timeout(
+                webrtc,
+                WEBRTC_DIAL_TIMEOUT,
+            ))
         })?
         .with_other_transport(|key| {
             Ok::<_, BoxError>(

@@ -67,8 +67,18 @@ pub struct RemoteSession {
     buf: Vec<u8>,
     limits: Limits,
     timeout: Duration,
+    step_timeout: Option<StepTimeout>,
     /// Set when the session asked for flow control.
     flow: Option<FlowReceiver>,
+}
+
+/// A step deadline that grows with the step's positions: a server that died
+/// without closing its connection (WebRTC notices only after ~30 s) is given
+/// up on after `base` for a one-token step, not after the session timeout.
+#[derive(Debug, Clone, Copy)]
+pub struct StepTimeout {
+    pub base: Duration,
+    pub per_position: Duration,
 }
 
 impl RemoteSession {
@@ -97,10 +107,11 @@ impl RemoteSession {
             buf: Vec::new(),
             limits: Limits::DEFAULT,
             timeout,
+            step_timeout: None,
             flow,
         };
         let frame = Request::Open(request).encode();
-        match session.exchange(&frame).await? {
+        match session.exchange(&frame, timeout).await? {
             Response::Opened { .. } => Ok(session),
             _ => Err(SessionError::Unexpected { peer }),
         }
@@ -110,6 +121,12 @@ impl RemoteSession {
         self.peer
     }
 
+    /// Steps wait `base + per_position × T`, at most the session timeout.
+    pub fn with_step_timeout(mut self, step_timeout: Option<StepTimeout>) -> Self {
+        self.step_timeout = step_timeout;
+        self
+    }
+
     /// Sends hidden states for positions `start..start + T`; returns the span's output.
     pub async fn step(
         &mut self,
@@ -117,7 +134,12 @@ impl RemoteSession {
         hidden: &TensorPayload,
     ) -> Result<TensorPayload, SessionError> {
         let frame = encode_step(start, hidden);
-        match self.exchange(&frame).await? {
+        let positions = hidden.shape.get(1).copied().unwrap_or(1) as u32;
+        let timeout = match self.step_timeout {
+            Some(t) => (t.base + t.per_position * positions).min(self.timeout),
+            None => self.timeout,
+        };
+        match self.exchange(&frame, timeout).await? {
             Response::StepOut { hidden } => Ok(hidden.to_owned()),
             _ => Err(SessionError::Unexpected { peer: self.peer }),
         }
@@ -133,9 +155,12 @@ impl RemoteSession {
         let _ = self.stream.close().await;
     }
 
-    async fn exchange(&mut self, frame: &[u8]) -> Result<Response<'_>, SessionError> {
+    async fn exchange(
+        &mut self,
+        frame: &[u8],
+        timeout: Duration,
+    ) -> Result<Response<'_>, SessionError> {
         let peer = self.peer;
-        let timeout = self.timeout;
         let io = |source| SessionError::Io { peer, source };
         let max = self.limits.max_frame_bytes();
         let got = with_timeout(timeout, async {

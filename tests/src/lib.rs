@@ -206,10 +206,13 @@ pub fn read_weights(dir: &Path) -> HashMap<String, Tensor> {
 /// The `corolla` binary built beside this test executable.
 pub fn corolla_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target profile dir");
+    // Tests run from target/<profile>/deps, binaries from target/<profile>.
+    let parent = exe.parent().expect("executable dir");
+    let dir = if parent.ends_with("deps") {
+        parent.parent().expect("target profile dir")
+    } else {
+        parent
+    };
     let bin = dir.join(format!("corolla{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.is_file(),

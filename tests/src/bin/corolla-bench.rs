@@ -196,7 +196,12 @@ async fn main() -> anyhow::Result<()> {
             "## Default model\n\nSkipped: the default model is not fetched (`corolla fetch-model`).\n",
         ),
     };
-    let report = format!("{report}\n{recovery}\n{default_model}");
+    let browser = match corolla_tests::default_model() {
+        Some(path) => tokio::task::spawn_blocking(move || bench_browser(&path, rounds.min(3)))
+            .await?,
+        None => String::from("## Browser\n\nSkipped: the default model is not fetched.\n"),
+    };
+    let report = format!("{report}\n{recovery}\n{default_model}\n{browser}");
     println!("{report}");
     let args: Vec<String> = std::env::args().collect();
     if let Some(path) = args
@@ -382,4 +387,84 @@ async fn bench_recovery(
         to_next - normal,
         recoveries[0].seconds * 1e3,
     ))
+}
+
+/// The web chat in headless Chromium vs the native client (`corolla
+/// generate`), on the same three-server swarm of the default model, over
+/// WebRTC-direct and WebSocket; and the page's WebAssembly size.
+fn bench_browser(model: &std::path::Path, rounds: usize) -> String {
+    use corolla_tests::browser::{browser_missing, native_chat, run_page, web_dist, NetnsSwarm};
+    let wasm = web_dist().join("corolla-wasm_bg.wasm");
+    let size = std::fs::metadata(&wasm).map(|m| m.len()).unwrap_or(0);
+    let mut out = format!(
+        "## Browser vs native client (`corolla-bench`, same run)\n\n\
+         The page's WebAssembly (`dist/corolla-wasm_bg.wasm`, after `wasm-opt -Oz`): **{:.2} MiB**.\n\n",
+        size as f64 / (1 << 20) as f64
+    );
+    if let Some(missing) = browser_missing() {
+        out.push_str(&format!("Skipped the browser runs: {missing}.\n"));
+        return out;
+    }
+    let Some(mut swarm) = NetnsSwarm::create() else {
+        out.push_str("Skipped the browser runs: cannot create a network namespace (needs root).\n");
+        return out;
+    };
+    let layers = 30;
+    let web = web_dist();
+    for (i, (start, end)) in [(0, 10), (10, 20), (20, layers)].into_iter().enumerate() {
+        let extra: Vec<&str> = if i == 0 {
+            vec!["--http-port", "0", "--web-dir", web.to_str().unwrap_or("dist")]
+        } else {
+            Vec::new()
+        };
+        swarm.start_server(model, start, end, &extra);
+    }
+    let http = swarm.servers[0].http().unwrap_or_default().to_string();
+    let bootstrap = swarm.servers[0].tcp_addr();
+    let prompt = "Write a short poem about the sea.";
+    let new_tokens = 48;
+    let mut rows = String::new();
+    for transport in ["webrtc-direct", "websocket"] {
+        let (mut native_tps, mut page_tps, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let native = native_chat(model, &bootstrap, prompt, None, new_tokens);
+            let run = run_page(
+                &format!("{http}/?transport={transport}"),
+                &[prompt],
+                new_tokens,
+                &format!("bench-{transport}"),
+                || {},
+            );
+            let Some(page) = run.answers().first().map(|a| (*a).clone()) else {
+                out.push_str(&format!("The page failed over {transport}: {:?}\n", run.events));
+                return out;
+            };
+            assert_eq!(
+                page["generated_ids"], native["generated_ids"],
+                "page and native tokens differ"
+            );
+            let (n, p) = (
+                native["tokens_per_second"].as_f64().unwrap_or(0.0),
+                page["tokens_per_second"].as_f64().unwrap_or(0.0),
+            );
+            eprintln!("browser {transport} round {round}: native {n:.1} tok/s, page {p:.1} tok/s");
+            native_tps.push(n);
+            page_tps.push(p);
+            ratios.push(p / n);
+        }
+        rows.push_str(&format!(
+            "| {transport} | {:.1} | {:.1} | **{:.3}** |\n",
+            median(native_tps),
+            median(page_tps),
+            median(ratios)
+        ));
+    }
+    out.push_str(&format!(
+        "SmolLM2-135M-Instruct in `corolla demo`'s layout (three servers of 10 blocks) in a network namespace \
+         (WebRTC ignores loopback); the same chat prompt, {new_tokens} greedy tokens, identical tokens both ways. \
+         Native: `corolla generate --chat`; browser: the chat page in headless Chromium (Debian), driven by \
+         `tests/browser/chat.mjs`. Medians of {rounds} rounds; tokens per second include the prefill.\n\n\
+         | transport | native tokens/s | browser tokens/s | browser / native (target >= 0.8) |\n|---|---|---|---|\n{rows}"
+    ));
+    out
 }
