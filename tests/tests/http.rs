@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::Read;
+use std::path::Path;
 
 use corolla_model::gguf::GgufFile;
 use corolla_tests::{start_model_server, start_server, tiny_llama, write_tiny_gguf};
@@ -41,6 +42,52 @@ fn hex_sha(bytes: &[u8]) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// What the browser does with the downloaded files: an in-memory checkpoint
+/// whose head, tokenizer and chat template equal those of the model itself.
+fn assert_memory_client_matches(files: &HashMap<String, Vec<u8>>, model: &Path) {
+    use corolla_client::{ChatMessage, ChatTemplate, TextTokenizer};
+    use corolla_model::{Checkpoint, ClientHead, DType, Device, QuantizedWeights};
+    let open = |ck: Checkpoint| {
+        let ck = ck.with_quantized_weights(QuantizedWeights::Auto);
+        let tokenizer = TextTokenizer::for_checkpoint(&ck).unwrap();
+        let cfg = ck.config().clone();
+        let template = ChatTemplate::new(
+            ck.chat_template().unwrap().as_deref(),
+            &tokenizer,
+            cfg.bos_token_id,
+            cfg.eos_token_ids.first().copied(),
+        )
+        .unwrap();
+        let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
+        let prompt = template
+            .render(&[ChatMessage::user("Hello there, how are you?")], true)
+            .unwrap();
+        let ids = tokenizer.encode_chat(&prompt).unwrap();
+        let logits = head.logits(&head.embed(&ids).unwrap()).unwrap();
+        (ids, logits.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+    };
+    let memory = Checkpoint::from_memory(files.clone()).expect("in-memory checkpoint");
+    let (ids, logits) = open(memory);
+    let (want_ids, want_logits) = open(Checkpoint::open(model).unwrap());
+    assert_eq!(ids, want_ids);
+    assert_eq!(
+        logits, want_logits,
+        "the downloaded head computes other logits"
+    );
+
+    // Damaged downloads are errors, not panics.
+    let mut broken = files.clone();
+    broken.remove("config.json");
+    assert!(Checkpoint::from_memory(broken).is_err());
+    let mut broken = files.clone();
+    for (name, bytes) in broken.iter_mut() {
+        if name.starts_with("client.") {
+            bytes.truncate(bytes.len() / 2);
+        }
+    }
+    assert!(Checkpoint::from_memory(broken).is_err());
 }
 
 /// Fetches every file of the manifest, checking size and digest.
@@ -124,6 +171,7 @@ async fn status_client_part_page_and_cors() {
             part.tensor("model.embed_tokens.weight").unwrap().data(),
             source.tensor("model.embed_tokens.weight").unwrap().data()
         );
+        assert_memory_client_matches(&files, &tiny_llama());
 
         let (status, _, _) = get(&format!("{http}/model/..%2Fmodel.safetensors"));
         assert_eq!(status, 404);
@@ -161,6 +209,7 @@ async fn a_gguf_server_serves_a_gguf_client_part_with_its_tokenizer() {
         let mut names: Vec<&str> = files.keys().map(String::as_str).collect();
         names.sort();
         assert_eq!(names, ["client.gguf", "config.json"]);
+        assert_memory_client_matches(&files, &dir.join("tiny.gguf"));
         let path = dir.join("client.gguf");
         std::fs::write(&path, &files["client.gguf"]).unwrap();
         let part = GgufFile::open(&path).unwrap();

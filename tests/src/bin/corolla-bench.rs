@@ -197,8 +197,9 @@ async fn main() -> anyhow::Result<()> {
         ),
     };
     let browser = match corolla_tests::default_model() {
-        Some(path) => tokio::task::spawn_blocking(move || bench_browser(&path, rounds.min(3)))
-            .await?,
+        Some(path) => {
+            tokio::task::spawn_blocking(move || bench_browser(&path, rounds.min(3))).await?
+        }
         None => String::from("## Browser\n\nSkipped: the default model is not fetched.\n"),
     };
     let report = format!("{report}\n{recovery}\n{default_model}\n{browser}");
@@ -413,7 +414,12 @@ fn bench_browser(model: &std::path::Path, rounds: usize) -> String {
     let web = web_dist();
     for (i, (start, end)) in [(0, 10), (10, 20), (20, layers)].into_iter().enumerate() {
         let extra: Vec<&str> = if i == 0 {
-            vec!["--http-port", "0", "--web-dir", web.to_str().unwrap_or("dist")]
+            vec![
+                "--http-port",
+                "0",
+                "--web-dir",
+                web.to_str().unwrap_or("dist"),
+            ]
         } else {
             Vec::new()
         };
@@ -436,7 +442,10 @@ fn bench_browser(model: &std::path::Path, rounds: usize) -> String {
                 || {},
             );
             let Some(page) = run.answers().first().map(|a| (*a).clone()) else {
-                out.push_str(&format!("The page failed over {transport}: {:?}\n", run.events));
+                out.push_str(&format!(
+                    "The page failed over {transport}: {:?}\n",
+                    run.events
+                ));
                 return out;
             };
             assert_eq!(
