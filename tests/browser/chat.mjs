@@ -7,6 +7,7 @@
 //
 // node chat.mjs --url URL --prompt TEXT [--prompt TEXT...] [--max-new-tokens N]
 //               [--temperature T] [--screenshot PNG] [--timeout-s S]
+//               [--stop-after-tokens N] [--viewport WxH]
 
 import { chromium } from 'playwright-core';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -22,6 +23,9 @@ const { values: args } = parseArgs({
     temperature: { type: 'string', default: '0' },
     screenshot: { type: 'string' },
     'timeout-s': { type: 'string', default: '240' },
+    // Click Stop once the last prompt's answer has this many tokens.
+    'stop-after-tokens': { type: 'string' },
+    viewport: { type: 'string', default: '1000x900' },
     chromium: { type: 'string', default: process.env.CHROMIUM || '/usr/bin/chromium' },
   },
 });
@@ -30,6 +34,7 @@ if (!args.url || !args.prompt) {
   process.exit(2);
 }
 const timeout = Number(args['timeout-s']) * 1000;
+const [width, height] = args.viewport.split('x').map(Number);
 const emit = (event) => console.log(JSON.stringify(event));
 
 const profile = mkdtempSync(join(tmpdir(), 'corolla-chromium-'));
@@ -37,7 +42,7 @@ const profile = mkdtempSync(join(tmpdir(), 'corolla-chromium-'));
 const context = await chromium.launchPersistentContext(profile, {
   executablePath: args.chromium,
   ignoreHTTPSErrors: true,
-  viewport: { width: 1000, height: 900 },
+  viewport: { width, height },
   args: [
     '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
     '--disable-background-networking', '--disable-component-update', '--disable-sync',
@@ -80,13 +85,19 @@ try {
   await chat.evaluate((el) => {
     el.addEventListener('corolla-token', (e) => {
       if (e.detail.count === 1) window.__corollaReport({ event: 'token', count: 1 });
+      if (e.detail.count === window.__corollaStopAt) {
+        el.shadowRoot.querySelector('#stop').click();
+      }
     });
   });
   await page.locator('corolla-chat #settings summary').click().catch(() => {});
   await page.locator('corolla-chat #temperature').fill(args.temperature);
   await page.locator('corolla-chat #max-new-tokens').fill(args['max-new-tokens']);
 
-  for (const prompt of args.prompt) {
+  for (const [i, prompt] of args.prompt.entries()) {
+    if (args['stop-after-tokens'] && i === args.prompt.length - 1) {
+      await page.evaluate((n) => { window.__corollaStopAt = n; }, Number(args['stop-after-tokens']));
+    }
     const done = chat.evaluate((el) => new Promise((resolve) => {
       const finish = (kind) => (e) => {
         el.removeEventListener('corolla-answer', onAnswer);
@@ -111,6 +122,12 @@ try {
     }
     emit({ event: 'answer', result: outcome.detail });
   }
+  // Wider than the viewport means sideways scrolling: unusable on a phone.
+  emit({
+    event: 'layout',
+    scroll_width: await page.evaluate(() => document.documentElement.scrollWidth),
+    viewport_width: width,
+  });
   if (args.screenshot) {
     await page.screenshot({ path: args.screenshot, fullPage: true });
   }

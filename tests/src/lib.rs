@@ -2,6 +2,7 @@
 //! outputs computed by Hugging Face transformers, and error measures.
 
 pub mod browser;
+pub mod netns;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

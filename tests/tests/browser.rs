@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_tests::browser::{
-    browser_missing, native_chat, run_page, web_dist, NetnsSwarm, PageRun,
+    browser_missing, native_chat, run_page, run_page_with, NetnsSwarm, PageRun,
 };
 use corolla_tests::{default_model, tiny_llama};
 use serde_json::Value;
@@ -96,19 +96,22 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
     let Some(mut swarm) = ready("chat page and widget") else {
         return;
     };
-    let web = web_dist();
-    let web = web.to_str().unwrap();
-    swarm.start_server(&model, 0, 15, &["--http-port", "0", "--web-dir", web]);
+    swarm.start_page_server(&model, 0, 15, &[]);
     swarm.start_server(&model, 15, 30, &[]);
     let http = swarm.servers[0].http().expect("http").to_string();
     let bootstrap = swarm.servers[0].tcp_addr();
 
-    // The chat page, WebRTC-direct only, two turns.
-    let run = run_page(
+    // The chat page, WebRTC-direct only, three turns, the last one stopped.
+    let run = run_page_with(
         &format!("{http}/?transport=webrtc-direct"),
-        &[FRANCE, "And of Germany?"],
+        &[
+            FRANCE,
+            "And of Germany?",
+            "Tell me a long story about a dragon.",
+        ],
         24,
         "chat-page-webrtc",
+        &["--stop-after-tokens", "3"],
         || {},
     );
     let answer = first_answer(&run);
@@ -122,11 +125,18 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
     let answers = run.answers();
     assert_eq!(
         answers.len(),
-        2,
-        "the second turn got no answer: {:?}",
+        3,
+        "a later turn got no answer: {:?}",
         run.events
     );
+    // The second turn's prompt holds the whole conversation so far.
+    let first_turn = ids(&answer["prompt_ids"]);
+    assert!(ids(&answers[1]["prompt_ids"]).len() > first_turn.len() + 1);
     assert!(!ids(&answers[1]["generated_ids"]).is_empty());
+    // Stop ends the answer early.
+    assert_eq!(answers[2]["stop_reason"], "cancelled", "{}", answers[2]);
+    let stopped = ids(&answers[2]["generated_ids"]).len();
+    assert!((3..24).contains(&stopped), "{stopped} tokens after Stop");
 
     // The widget on its demo page, WebSocket only; it sets a system prompt.
     let prompt = "Name one vegetable that grows well in shade.";
@@ -138,12 +148,7 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
         || {},
     );
     let answer = first_answer(&run);
-    let system = run
-        .events
-        .iter()
-        .find(|e| e["event"] == "ready")
-        .and_then(|e| e["system"].as_str())
-        .map(str::to_string);
+    let system = run.system();
     assert!(system.is_some(), "the demo page sets a system prompt");
     let native = native_chat(&model, &bootstrap, prompt, system.as_deref(), 24);
     assert_same_tokens(&answer, &native);
@@ -167,9 +172,7 @@ fn page_recovers_when_the_server_in_use_is_killed() {
     let Some(mut swarm) = ready("kill and recover") else {
         return;
     };
-    let web = web_dist();
-    let web = web.to_str().unwrap();
-    swarm.start_server(&model, 0, 15, &["--http-port", "0", "--web-dir", web]);
+    swarm.start_page_server(&model, 0, 15, &[]);
     swarm.start_server(&model, 15, 30, &["--http-port", "0"]);
     swarm.start_server(&model, 15, 30, &["--http-port", "0"]);
     let http = swarm.servers[0].http().expect("http").to_string();
@@ -245,9 +248,7 @@ fn prefills_over_one_mib_cross_both_browser_transports() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("wide");
     wide_model(&model);
-    let web = web_dist();
-    let web = web.to_str().unwrap();
-    swarm.start_server(&model, 0, 1, &["--http-port", "0", "--web-dir", web]);
+    swarm.start_page_server(&model, 0, 1, &[]);
     swarm.start_server(&model, 1, 2, &[]);
     let http = swarm.servers[0].http().expect("http").to_string();
     let prompt = "The quick brown fox jumps over the lazy dog while the garden grows. ".repeat(12);
@@ -263,12 +264,7 @@ fn prefills_over_one_mib_cross_both_browser_transports() {
         let answer = first_answer(&run);
         let prefill_bytes = ids(&answer["prompt_ids"]).len() * WIDE_HIDDEN * 4;
         assert!(prefill_bytes > 1 << 20, "prefill of {prefill_bytes} bytes");
-        let system = run
-            .events
-            .iter()
-            .find(|e| e["event"] == "ready")
-            .and_then(|e| e["system"].as_str())
-            .map(str::to_string);
+        let system = run.system();
         let native = native_chat(
             &model,
             &swarm.servers[0].tcp_addr(),
@@ -309,16 +305,11 @@ fn https_page_reaches_the_swarm_over_wss() {
         .is_ok_and(|s| s.success());
     assert!(made, "openssl could not make a test certificate");
     let model = tiny_llama();
-    let web = web_dist();
-    swarm.start_server(
+    swarm.start_page_server(
         &model,
         0,
         4,
         &[
-            "--http-port",
-            "0",
-            "--web-dir",
-            web.to_str().unwrap(),
             "--tls-cert",
             cert.to_str().unwrap(),
             "--tls-key",
@@ -332,14 +323,21 @@ fn https_page_reaches_the_swarm_over_wss() {
         .addr(|a| a.contains("/tls/ws"))
         .expect("a /tls/ws address");
     let prompt = "Hello there";
-    let run = run_page(
+    // At phone width, which the page must fit.
+    let run = run_page_with(
         &format!("{http}/?bootstrap={wss}"),
         &[prompt],
         12,
-        "chat-page-https-wss",
+        "chat-page-https-wss-phone",
+        &["--viewport", "360x740"],
         || {},
     );
     let answer = first_answer(&run);
+    assert!(
+        run.fits_width(),
+        "the page scrolls sideways at 360 px: {:?}",
+        run.events
+    );
     let native = native_chat(&model, &server.tcp_addr(), prompt, None, 12);
     assert_same_tokens(&answer, &native);
 }

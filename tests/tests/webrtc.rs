@@ -3,8 +3,7 @@
 //! most 8000 bytes, an acknowledged window). ICE ignores loopback, so the
 //! server runs in a network namespace this test creates, behind a veth pair.
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_model::wire::{from_view, to_payload};
@@ -15,80 +14,17 @@ use corolla_shared::node::Node;
 use corolla_shared::protocol::OpenRequest;
 use corolla_shared::session::RemoteSession;
 use corolla_shared::WireDType;
-use corolla_tests::{corolla_server_bin, relative_l2};
+use corolla_tests::netns::NetnsSwarm;
+use corolla_tests::relative_l2;
 use libp2p::multiaddr::Protocol;
 use libp2p::Multiaddr;
-
-/// A network namespace with a veth pair to this one; removed when dropped,
-/// with the server running inside it.
-struct Namespace {
-    name: String,
-    host_ip: String,
-    inner_ip: String,
-    server: Option<Child>,
-}
-
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-impl Namespace {
-    fn create() -> Option<Self> {
-        let id = std::process::id() % 200 + 20;
-        let name = format!("corolla-rtc-{id}");
-        let (outer, inner) = (format!("crtc{id}a"), format!("crtc{id}b"));
-        let ns = Namespace {
-            host_ip: format!("10.201.{id}.1"),
-            inner_ip: format!("10.201.{id}.2"),
-            name: name.clone(),
-            server: None,
-        };
-        let _ = ip(&["netns", "del", &name]);
-        if !ip(&["netns", "add", &name]) {
-            return None;
-        }
-        let ok = ip(&[
-            "link", "add", &outer, "type", "veth", "peer", "name", &inner,
-        ]) && ip(&["link", "set", &inner, "netns", &name])
-            && ip(&["addr", "add", &format!("{}/24", ns.host_ip), "dev", &outer])
-            && ip(&["link", "set", &outer, "up"])
-            && ip(&[
-                "-n",
-                &name,
-                "addr",
-                "add",
-                &format!("{}/24", ns.inner_ip),
-                "dev",
-                &inner,
-            ])
-            && ip(&["-n", &name, "link", "set", &inner, "up"])
-            && ip(&["-n", &name, "link", "set", "lo", "up"]);
-        assert!(ok, "could not wire the namespace {name}");
-        Some(ns)
-    }
-}
-
-impl Drop for Namespace {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.server.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        // Deleting the namespace deletes the veth pair with it.
-        let _ = ip(&["netns", "del", &self.name]);
-    }
-}
 
 const HIDDEN: usize = 2048;
 const POSITIONS: usize = 512;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_mib_each_way_over_webrtc_direct() {
-    let Some(mut ns) = Namespace::create() else {
+    let Some(mut servers) = NetnsSwarm::create() else {
         eprintln!("SKIPPED: cannot create a network namespace (needs root and iproute2)");
         return;
     };
@@ -105,46 +41,13 @@ async fn four_mib_each_way_over_webrtc_direct() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("wide");
     write_random_checkpoint(&dir, &spec).unwrap();
-    let addr_file = tmp.path().join("addr.json");
-    let server = Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .arg(corolla_server_bin())
-        .arg("--model")
-        .arg(&dir)
-        .args([
-            "--block-indices",
-            "0:1",
-            "--host",
-            &ns.inner_ip,
-            "--port",
-            "0",
-            "--new-swarm",
-        ])
-        .args(["--inference-max-length", &POSITIONS.to_string()])
-        .arg("--addr-file")
-        .arg(&addr_file)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
+    let positions = POSITIONS.to_string();
+    servers.start_server(&dir, 0, 1, &["--inference-max-length", &positions]);
+    let webrtc: Multiaddr = servers.servers[0]
+        .addr(|a| a.contains("/webrtc-direct"))
+        .expect("a WebRTC-direct address")
+        .parse()
         .unwrap();
-    ns.server = Some(server);
-    let started = Instant::now();
-    while !addr_file.is_file() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the server did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let addrs: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&addr_file).unwrap()).unwrap();
-    let webrtc: Multiaddr = addrs["addrs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|a| a.as_str()?.parse().ok())
-        .find(|a: &Multiaddr| a.iter().any(|p| matches!(p, Protocol::WebRTCDirect)))
-        .expect("a WebRTC-direct address");
     let mut base = webrtc.clone();
     let Some(Protocol::P2p(peer)) = base.pop() else {
         panic!("{webrtc} has no peer id")
@@ -164,7 +67,7 @@ async fn four_mib_each_way_over_webrtc_direct() {
     .unwrap();
     let (mut node, handle, _events) = Node::new(swarm);
     node.client_dht();
-    let listen: Multiaddr = format!("/ip4/{}/udp/0/webrtc-direct", ns.host_ip)
+    let listen: Multiaddr = format!("/ip4/{}/udp/0/webrtc-direct", servers.host_ip)
         .parse()
         .unwrap();
     node.swarm_mut().listen_on(listen).unwrap();
