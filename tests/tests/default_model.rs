@@ -246,9 +246,9 @@ fn demo_servers_stop_on(model: &Path, signal: &str) {
         .spawn()
         .unwrap();
     let _stdin = child.stdin.take().unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
     let mut port = None;
-    for line in stderr.lines() {
+    for line in stderr.by_ref() {
         let line = line.unwrap();
         if let Some(addr) = line.strip_prefix("local swarm ready; bootstrap address ") {
             let tcp = addr.split("/tcp/").nth(1).unwrap();
@@ -257,6 +257,8 @@ fn demo_servers_stop_on(model: &Path, signal: &str) {
         }
     }
     let port = port.expect("the demo reports its swarm");
+    // Keep reading: a closed pipe would make the demo's next line fail.
+    let drain = std::thread::spawn(move || stderr.map_while(Result::ok).count());
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     let status = Command::new("kill")
         .args([signal, &child.id().to_string()])
@@ -264,6 +266,7 @@ fn demo_servers_stop_on(model: &Path, signal: &str) {
         .unwrap();
     assert!(status.success());
     let exit = child.wait().unwrap();
+    let _ = drain.join();
     if signal == "-TERM" {
         assert!(exit.success(), "{exit}");
     }
