@@ -7,7 +7,7 @@
 //
 // node chat.mjs --url URL --prompt TEXT [--prompt TEXT...] [--max-new-tokens N]
 //               [--temperature T] [--screenshot PNG] [--timeout-s S]
-//               [--stop-after-tokens N] [--viewport WxH]
+//               [--stop-after-tokens N] [--viewport WxH] [--reload-check]
 
 import { chromium } from 'playwright-core';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -26,6 +26,8 @@ const { values: args } = parseArgs({
     // Click Stop once the last prompt's answer has this many tokens.
     'stop-after-tokens': { type: 'string' },
     viewport: { type: 'string', default: '1000x900' },
+    // After the answers, reload the page and count the model files it fetches again.
+    'reload-check': { type: 'boolean', default: false },
     chromium: { type: 'string', default: process.env.CHROMIUM || '/usr/bin/chromium' },
   },
 });
@@ -128,6 +130,17 @@ try {
     scroll_width: await page.evaluate(() => document.documentElement.scrollWidth),
     viewport_width: width,
   });
+  if (args['reload-check'] && !failed) {
+    let fetched = 0;
+    page.on('request', (r) => {
+      const path = new URL(r.url()).pathname;
+      if (path.startsWith('/model/') && !path.endsWith('/manifest.json')) fetched += 1;
+    });
+    await page.reload();
+    await page.waitForFunction(() => document.querySelector('corolla-chat')?.state === 'ready',
+      null, { timeout, polling: 100 });
+    emit({ event: 'reload', model_files_fetched: fetched });
+  }
   if (args.screenshot) {
     await page.screenshot({ path: args.screenshot, fullPage: true });
   }

@@ -329,7 +329,7 @@ fn https_page_reaches_the_swarm_over_wss() {
         &[prompt],
         12,
         "chat-page-https-wss-phone",
-        &["--viewport", "360x740"],
+        &["--viewport", "360x740", "--reload-check"],
         || {},
     );
     let answer = first_answer(&run);
@@ -338,6 +338,14 @@ fn https_page_reaches_the_swarm_over_wss() {
         "the page scrolls sideways at 360 px: {:?}",
         run.events
     );
+    // An https page keeps the client part in the Cache API: a second visit
+    // downloads none of it.
+    let reload = run
+        .events
+        .iter()
+        .find(|e| e["event"] == "reload")
+        .unwrap_or_else(|| panic!("no reload: {:?}", run.events));
+    assert_eq!(reload["model_files_fetched"], 0, "{reload}");
     let native = native_chat(&model, &server.tcp_addr(), prompt, None, 12);
     assert_same_tokens(&answer, &native);
 }
