@@ -18,6 +18,9 @@ const MAX_MANIFEST_BYTES: usize = 1 << 20;
 const MAX_PART_BYTES: u64 = 2 << 30;
 /// Progress callbacks at most this often (bytes).
 const PROGRESS_STEP: usize = 1 << 20;
+/// Reserved before the first byte arrives; the manifest's size is only a
+/// claim, so more is grown as the body really comes in.
+const INITIAL_RESERVE: usize = 64 << 20;
 
 #[derive(Debug, Deserialize)]
 pub struct Manifest {
@@ -117,7 +120,7 @@ pub async fn manifest(base: &str) -> Result<Manifest, String> {
 
 /// The model cache, where the page may have one: the Cache API exists only
 /// in secure contexts (https, localhost), so a page on `http://<ip>` has none.
-async fn open_cache() -> Option<Cache> {
+pub async fn open_cache() -> Option<Cache> {
     let window = web_sys::window()?;
     let present = Reflect::get(&window, &"caches".into()).ok()?;
     if present.is_undefined() || present.is_null() {
@@ -151,17 +154,17 @@ fn report(on_progress: &Function, file: &str, loaded: u64, total: u64, cached: b
     }
 }
 
-/// One file of the manifest: from the cache, else downloaded (streamed, with
-/// progress), checked, and cached.
+/// One file of the manifest: from `cache`, else downloaded (streamed, with
+/// progress), checked, and put in `cache`.
 pub async fn file(
     base: &str,
     file: &ManifestFile,
+    cache: Option<&Cache>,
     on_progress: &Function,
 ) -> Result<Vec<u8>, String> {
     let url = format!("{base}/model/{}", file.name);
     let key = format!("{url}?sha256={}", file.sha256);
-    let cache = open_cache().await;
-    if let Some(cache) = &cache {
+    if let Some(cache) = cache {
         if let Some(bytes) = cached(cache, &key, file).await {
             report(on_progress, &file.name, file.size, file.size, true);
             return Ok(bytes);
@@ -176,7 +179,7 @@ pub async fn file(
         .dyn_into()
         .map_err(|_| format!("{url}: cannot read the response body"))?;
     let expected = usize::try_from(file.size).map_err(|_| format!("{url}: too large"))?;
-    let mut bytes = Vec::with_capacity(expected);
+    let mut bytes = Vec::with_capacity(expected.min(INITIAL_RESERVE));
     let mut next_report = 0;
     loop {
         let chunk = JsFuture::from(reader.read())
@@ -222,7 +225,7 @@ pub async fn file(
         return Err(format!("{url}: SHA-256 does not match the manifest"));
     }
     report(on_progress, &file.name, file.size, file.size, false);
-    if let Some(cache) = &cache {
+    if let Some(cache) = cache {
         if let Err(e) = store(cache, &key, &mut bytes).await {
             // Quota or private mode: the page still works, it only downloads again next time.
             tracing::warn!(file = %file.name, error = %e, "not cached");

@@ -120,9 +120,10 @@ impl CorollaClient {
     pub async fn load(server_url: String, on_progress: Function) -> Result<CorollaClient, JsValue> {
         let base = server_url.trim_end_matches('/');
         let manifest = download::manifest(base).await.map_err(error)?;
+        let cache = download::open_cache().await;
         let mut files = Vec::with_capacity(manifest.files.len());
         for file in &manifest.files {
-            let bytes = download::file(base, file, &on_progress)
+            let bytes = download::file(base, file, cache.as_ref(), &on_progress)
                 .await
                 .map_err(error)?;
             files.push((file.name.clone(), bytes));

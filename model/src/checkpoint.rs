@@ -9,23 +9,25 @@
 //!
 //! Files are opened and mapped only when one of their tensors is first
 //! requested, so a server hosting a few layers never touches (or needs to
-//! have downloaded) the files of the others.
+//! have downloaded) the files of the others. A browser's downloaded client
+//! part is a checkpoint too ([`Checkpoint::from_memory`]). One file's bytes
+//! and index are [`crate::weight_file`]'s business.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
-use safetensors::tensor::Metadata;
-use safetensors::{Dtype as StDtype, SafeTensors};
+use safetensors::Dtype as StDtype;
 use serde::{Deserialize, Serialize};
 
-use crate::bytes::FileBytes;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, GgufTokenizer};
 use crate::rope::RopeLayout;
+use crate::weight_file::{FileBytes, WeightFile};
+pub use crate::weight_file::{RawDType, RawTensor};
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -70,97 +72,6 @@ pub struct SpanFile {
 #[derive(Debug, Deserialize)]
 struct ShardedIndex {
     weight_map: HashMap<String, String>,
-}
-
-/// How a tensor is stored on disk.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum RawDType {
-    Safetensors(StDtype),
-    Ggml(GgmlDType),
-}
-
-impl RawDType {
-    /// Whether the bytes are blocks of a GGML quantization rather than floats.
-    pub fn is_quantized(&self) -> bool {
-        matches!(self, RawDType::Ggml(t) if !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16))
-    }
-}
-
-impl std::fmt::Debug for RawDType {
-    // Only the inner name: fingerprints hash this text.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RawDType::Safetensors(t) => write!(f, "{t:?}"),
-            RawDType::Ggml(t) => write!(f, "{t:?}"),
-        }
-    }
-}
-
-/// One tensor's location inside a mapped file, before conversion.
-pub struct RawTensor {
-    file: Arc<WeightFile>,
-    pub dtype: RawDType,
-    pub shape: Vec<usize>,
-    range: (usize, usize),
-}
-
-impl RawTensor {
-    pub fn data(&self) -> &[u8] {
-        let mmap = match self.file.as_ref() {
-            WeightFile::Safetensors(f) => &f.mmap[..],
-            WeightFile::Gguf(f) => f.mapped_bytes(),
-        };
-        &mmap[self.range.0..self.range.1]
-    }
-}
-
-enum WeightFile {
-    Safetensors(MappedFile),
-    Gguf(GgufFile),
-}
-
-impl WeightFile {
-    fn open(path: &Path) -> Result<Self> {
-        Self::from_bytes(path, FileBytes::map(path)?)
-    }
-
-    /// `path` names the file (its extension tells the format) and is used in errors.
-    fn from_bytes(path: &Path, bytes: FileBytes) -> Result<Self> {
-        if path.extension().is_some_and(|e| e == "gguf") {
-            Ok(WeightFile::Gguf(GgufFile::from_bytes(path, bytes)?))
-        } else {
-            Ok(WeightFile::Safetensors(MappedFile::parse(path, bytes)?))
-        }
-    }
-
-    fn tensor_names(&self) -> Vec<String> {
-        match self {
-            WeightFile::Safetensors(f) => f.metadata.tensors().into_keys().collect(),
-            WeightFile::Gguf(g) => g.tensors().keys().cloned().collect(),
-        }
-    }
-}
-
-struct MappedFile {
-    mmap: FileBytes,
-    data_start: usize,
-    metadata: Metadata,
-}
-
-impl MappedFile {
-    fn open(path: &Path) -> Result<Self> {
-        Self::parse(path, FileBytes::map(path)?)
-    }
-
-    fn parse(path: &Path, mmap: FileBytes) -> Result<Self> {
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::invalid_file(path, e))?;
-        Ok(MappedFile {
-            data_start: 8 + header_len,
-            metadata,
-            mmap,
-        })
-    }
 }
 
 /// What happens to quantized (GGUF) weights at load.
@@ -265,17 +176,13 @@ impl Checkpoint {
             let index: ShardedIndex = read_json(&dir.join(SHARDED_INDEX))?;
             (index.weight_map, None)
         } else if dir.join(SINGLE_FILE).is_file() {
-            let file = MappedFile::open(&dir.join(SINGLE_FILE))?;
+            let file = WeightFile::open(&dir.join(SINGLE_FILE))?;
             let map = file
-                .metadata
-                .tensors()
-                .into_keys()
+                .tensor_names()
+                .into_iter()
                 .map(|name| (name, SINGLE_FILE.to_string()))
                 .collect();
-            files.insert(
-                SINGLE_FILE.to_string(),
-                Arc::new(WeightFile::Safetensors(file)),
-            );
+            files.insert(SINGLE_FILE.to_string(), Arc::new(file));
             (map, None)
         } else {
             return Err(ModelError::NoWeights(dir));
@@ -573,27 +480,8 @@ impl Checkpoint {
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
         let file = self.mapped(file_name)?;
-        let missing = || ModelError::MissingTensor { name: name.into() };
-        let (dtype, shape, range) = match file.as_ref() {
-            WeightFile::Safetensors(f) => {
-                let info = f.metadata.info(name).ok_or_else(missing)?;
-                let range = (
-                    f.data_start + info.data_offsets.0,
-                    f.data_start + info.data_offsets.1,
-                );
-                (RawDType::Safetensors(info.dtype), info.shape.clone(), range)
-            }
-            WeightFile::Gguf(f) => {
-                let info = f.tensors().get(name).ok_or_else(missing)?;
-                (RawDType::Ggml(info.dtype), info.shape.clone(), info.range)
-            }
-        };
-        Ok(RawTensor {
-            dtype,
-            shape,
-            range,
-            file,
-        })
+        WeightFile::raw_tensor(&file, name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })
     }
 
     fn mapped(&self, file_name: &str) -> Result<Arc<WeightFile>> {

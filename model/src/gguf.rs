@@ -16,9 +16,9 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::Device;
 
-use crate::bytes::FileBytes;
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::{ModelError, Result};
+use crate::weight_file::FileBytes;
 
 /// The first bytes of every GGUF file.
 pub const MAGIC: &[u8; 4] = b"GGUF";

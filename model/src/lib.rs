@@ -8,7 +8,6 @@
 //! Hugging Face folder, a GGUF file (kept quantized) or the layout written
 //! by [`convert::convert`].
 
-pub mod bytes;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
@@ -22,6 +21,7 @@ pub mod random;
 pub mod rope;
 pub mod sampler;
 pub mod span;
+pub mod weight_file;
 pub mod wire;
 
 pub use checkpoint::{Checkpoint, QuantizedWeights, TokenizerSource};

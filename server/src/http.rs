@@ -19,8 +19,15 @@ use tokio::task::JoinHandle;
 use tower_http::cors::CorsLayer;
 use tower_http::services::{ServeDir, ServeFile};
 
+use corolla_model::Checkpoint;
+use libp2p::multiaddr::Protocol;
+use libp2p::Multiaddr;
+
+use crate::config::ServerArgs;
+use crate::hub::ModelSource;
 use crate::server::ServerError;
 use crate::session::SessionContext;
+use crate::tls::TlsIdentity;
 
 /// One file of the client part.
 #[derive(Debug, Clone, Serialize)]
@@ -71,21 +78,77 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
         .collect())
 }
 
+/// The tensors of the client part, which browsers fetch over HTTP.
+const CLIENT_TENSORS: [&str; 3] = [
+    corolla_model::head::EMBED_TOKENS,
+    corolla_model::head::FINAL_NORM,
+    corolla_model::head::LM_HEAD,
+];
+
+/// The HTTP side of a server started with `--http-port`: writes the client
+/// part (fetching its files first, for a hub model), binds and serves.
+/// Returns the public URL and the serving task; `None` without `--http-port`.
+pub(crate) async fn start(
+    args: &ServerArgs,
+    checkpoint: Arc<Checkpoint>,
+    source: Arc<ModelSource>,
+    model: &str,
+    ctx: Arc<SessionContext>,
+    tls: Option<Arc<TlsIdentity>>,
+    listen_addrs: &[Multiaddr],
+) -> Result<Option<(String, JoinHandle<()>)>, ServerError> {
+    let Some(port) = args.http_port else {
+        return Ok(None);
+    };
+    let name = model.to_string();
+    let part = tokio::task::spawn_blocking(move || {
+        // A hub model has only this server's blocks so far.
+        source.fetch(checkpoint.files_for_tensors(CLIENT_TENSORS))?;
+        prepare_client_part(&checkpoint, &name)
+    })
+    .await
+    .map_err(|e| ServerError::Config(e.to_string()))??;
+    let public_host = args.public_name.clone().unwrap_or_else(|| {
+        if args.host.is_unspecified() {
+            "127.0.0.1".into()
+        } else {
+            args.host.to_string()
+        }
+    });
+    let config = HttpConfig {
+        listen: SocketAddr::new(args.host, port),
+        public_host,
+        web_dir: args.web_dir.clone(),
+        tls,
+        browser_addresses: listen_addrs
+            .iter()
+            .filter(|a| {
+                a.iter()
+                    .any(|p| matches!(p, Protocol::Ws(_) | Protocol::WebRTCDirect))
+            })
+            .map(ToString::to_string)
+            .collect(),
+    };
+    let (_, url, task) = serve(config, ctx, part).await?;
+    tracing::info!(%url, "serving HTTP");
+    Ok(Some((url, task)))
+}
+
 /// What `serve` needs besides the sessions' context.
-pub struct HttpConfig {
-    pub listen: SocketAddr,
+struct HttpConfig {
+    listen: SocketAddr,
     /// The public host name or IP written into URLs (the listen IP by default).
-    pub public_host: String,
-    pub web_dir: Option<PathBuf>,
-    pub browser_addresses: Vec<String>,
+    public_host: String,
+    web_dir: Option<PathBuf>,
+    browser_addresses: Vec<String>,
     /// Serve https with this certificate.
-    pub tls: Option<Arc<crate::tls::TlsIdentity>>,
+    tls: Option<Arc<TlsIdentity>>,
 }
 
 /// Writes the client part of `checkpoint`, and `manifest.json` describing
 /// it, into a folder owned by the server.
-pub(crate) fn prepare_client_part(
-    checkpoint: &corolla_model::Checkpoint,
+fn prepare_client_part(
+    checkpoint: &Checkpoint,
     model: &str,
 ) -> Result<tempfile::TempDir, ServerError> {
     let dir = tempfile::Builder::new()
@@ -122,7 +185,7 @@ pub(crate) fn prepare_client_part(
 const MANIFEST: &str = "manifest.json";
 
 /// Binds `config.listen` and serves until the returned task is aborted.
-pub(crate) async fn serve(
+async fn serve(
     config: HttpConfig,
     ctx: Arc<SessionContext>,
     client_part: tempfile::TempDir,

@@ -161,13 +161,6 @@ pub fn choose_blocks(num_layers: usize, n: usize, records: &[ServerRecord]) -> (
     (best, best + n)
 }
 
-/// The tensors of the client part, which browsers fetch over HTTP.
-const CLIENT_TENSORS: [&str; 3] = [
-    corolla_model::head::EMBED_TOKENS,
-    corolla_model::head::FINAL_NORM,
-    corolla_model::head::LM_HEAD,
-];
-
 pub struct Server;
 
 impl Server {
@@ -428,45 +421,16 @@ impl Server {
         });
         tasks.push(accept_sessions(&handle, ctx.clone())?);
         tasks.push(accept_info(&handle, ctx.clone())?);
-        let http = match args.http_port {
-            None => None,
-            Some(port) => {
-                let ck = checkpoint.clone();
-                let name = model.clone();
-                let part = tokio::task::spawn_blocking(move || {
-                    // A hub model has only this server's blocks so far.
-                    source.fetch(ck.files_for_tensors(CLIENT_TENSORS))?;
-                    crate::http::prepare_client_part(&ck, &name)
-                })
-                .await
-                .map_err(|e| ServerError::Config(e.to_string()))??;
-                let public_host = args.public_name.clone().unwrap_or_else(|| {
-                    if args.host.is_unspecified() {
-                        "127.0.0.1".into()
-                    } else {
-                        args.host.to_string()
-                    }
-                });
-                let config = crate::http::HttpConfig {
-                    listen: std::net::SocketAddr::new(args.host, port),
-                    public_host,
-                    web_dir: args.web_dir.clone(),
-                    tls: tls.clone(),
-                    browser_addresses: addrs
-                        .iter()
-                        .filter(|a| {
-                            a.iter()
-                                .any(|p| matches!(p, Protocol::Ws(_) | Protocol::WebRTCDirect))
-                        })
-                        .map(ToString::to_string)
-                        .collect(),
-                };
-                let (_, url, task) = crate::http::serve(config, ctx, part).await?;
-                tracing::info!(%url, "serving HTTP");
-                tasks.push(task);
-                Some(url)
-            }
-        };
+        let http =
+            match crate::http::start(&args, checkpoint.clone(), source, &model, ctx, tls, &addrs)
+                .await?
+            {
+                Some((url, task)) => {
+                    tasks.push(task);
+                    Some(url)
+                }
+                None => None,
+            };
         handle
             .announce(Some(Announcement {
                 record,

@@ -270,41 +270,19 @@ impl Node {
     }
 
     fn on_command(&mut self, command: Command) {
-        if let Command::AddAddress(peer, addr) = &command {
-            if !self.admits(addr) {
-                return;
-            }
-            self.swarm
-                .behaviour_mut()
-                .kad
-                .add_address(peer, addr.clone());
-            self.swarm.add_peer_address(*peer, addr.clone());
-            return;
-        }
-        if let Command::Dial(peer, addrs, reply) = command {
-            let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
-                .addresses(addrs)
-                .condition(libp2p::swarm::dial_opts::PeerCondition::Always)
-                .build();
-            let id = opts.connection_id();
-            match self.swarm.dial(opts) {
-                Ok(()) => {
-                    self.dials.insert(id, (peer, reply));
-                }
-                Err(e) => {
-                    let _ = reply.send(Err(NodeError::Dial {
-                        peer,
-                        error: e.to_string(),
-                    }));
-                }
-            }
-            return;
-        }
-        let kad = &mut self.swarm.behaviour_mut().kad;
         match command {
-            Command::AddAddress(..) | Command::Dial(..) => {}
+            Command::AddAddress(peer, addr) => {
+                if self.admits(&addr) {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, addr.clone());
+                    self.swarm.add_peer_address(peer, addr);
+                }
+            }
+            Command::Dial(peer, addrs, reply) => self.dial(peer, addrs, reply),
             Command::GetProviders(key, timeout, reply) => {
-                let id = kad.get_providers(key);
+                let id = self.swarm.behaviour_mut().kad.get_providers(key);
                 let deadline = Instant::now() + timeout;
                 self.providers.insert(
                     id,
@@ -316,7 +294,7 @@ impl Node {
                 );
             }
             Command::GetRecord(key, reply) => {
-                let id = kad.get_record(key);
+                let id = self.swarm.behaviour_mut().kad.get_record(key);
                 self.records.insert(id, reply);
             }
             Command::Announce(a) => {
@@ -325,6 +303,31 @@ impl Node {
             }
             Command::ListenAddrs(reply) => {
                 let _ = reply.send(self.swarm.listeners().cloned().collect());
+            }
+        }
+    }
+
+    /// Starts a dial whose outcome (connection up, or failed) answers `reply`.
+    fn dial(
+        &mut self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        reply: oneshot::Sender<Result<(), NodeError>>,
+    ) {
+        let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+            .addresses(addrs)
+            .condition(libp2p::swarm::dial_opts::PeerCondition::Always)
+            .build();
+        let id = opts.connection_id();
+        match self.swarm.dial(opts) {
+            Ok(()) => {
+                self.dials.insert(id, (peer, reply));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(NodeError::Dial {
+                    peer,
+                    error: e.to_string(),
+                }));
             }
         }
     }

@@ -90,6 +90,20 @@ fn assert_memory_client_matches(files: &HashMap<String, Vec<u8>>, model: &Path) 
     assert!(Checkpoint::from_memory(broken).is_err());
 }
 
+/// The client part holds exactly the head's tensors.
+fn assert_head_tensors<S: AsRef<str>>(names: impl IntoIterator<Item = S>) {
+    let mut names: Vec<String> = names.into_iter().map(|n| n.as_ref().to_string()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "model.norm.weight"
+        ]
+    );
+}
+
 /// Fetches every file of the manifest, checking size and digest.
 fn fetch_client_part(http: &str) -> HashMap<String, Vec<u8>> {
     let manifest = get_json(&format!("{http}/model/manifest.json"));
@@ -155,16 +169,7 @@ async fn status_client_part_page_and_cors() {
         );
         // The client part holds the client's tensors, byte for byte.
         let part = safetensors::SafeTensors::deserialize(&files["client.safetensors"]).unwrap();
-        let mut tensors = part.names();
-        tensors.sort();
-        assert_eq!(
-            tensors,
-            [
-                "lm_head.weight",
-                "model.embed_tokens.weight",
-                "model.norm.weight"
-            ]
-        );
+        assert_head_tensors(part.names());
         let source = std::fs::read(tiny_llama().join("model.safetensors")).unwrap();
         let source = safetensors::SafeTensors::deserialize(&source).unwrap();
         assert_eq!(
@@ -214,16 +219,7 @@ async fn a_gguf_server_serves_a_gguf_client_part_with_its_tokenizer() {
         std::fs::write(&path, &files["client.gguf"]).unwrap();
         let part = GgufFile::open(&path).unwrap();
         assert!(part.tokenizer().unwrap().is_some());
-        let mut tensors: Vec<&String> = part.tensors().keys().collect();
-        tensors.sort();
-        assert_eq!(
-            tensors,
-            [
-                "lm_head.weight",
-                "model.embed_tokens.weight",
-                "model.norm.weight"
-            ]
-        );
+        assert_head_tensors(part.tensors().keys());
         // Without --web-dir the page is a pointer to the status.
         let (status, page, _) = get(&format!("{http}/"));
         assert_eq!(status, 404);
