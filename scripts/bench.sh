@@ -12,7 +12,7 @@ web_tools with-browser
 build_web
 # The dev profile optimises every dependency (candle, libp2p), which is where
 # the time goes; it shares the test build instead of compiling a release one.
-cargo build --locked -p corolla-tests --bin corolla-bench -p corolla-client --bin corolla
+shared_build
 # The default model's section needs the model (fetched once, then cached).
 "$CARGO_TARGET_DIR/debug/corolla" fetch-model >/dev/null
 "$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md

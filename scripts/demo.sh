@@ -9,7 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 source scripts/web-tools.sh
-web_tools
-build_web
-cargo build --locked -p corolla-client --bin corolla -p corolla-server --bin corolla-server
+# Build output goes to stderr: stdout is the answer alone.
+{
+    web_tools
+    build_web
+    # The same build as scripts/test.sh's, so neither rebuilds the other's.
+    shared_build
+} >&2
 exec "$CARGO_TARGET_DIR/debug/corolla" demo --web-dir "$PWD/dist" "$@"

@@ -4,3 +4,18 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/corolla/target}"
 # Unset, candle re-derives the core count on every matmul; set it once.
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-$(nproc)}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+# Lint while compiling: clippy-driver compiles the workspace's own crates
+# (and lints them, warnings denied), so the test build is the lint and no
+# separate `cargo clippy` pass re-checks all ~450 dependencies. Every script
+# builds with the same settings (and `cargo test --workspace --no-run`, see
+# `shared_build`), so they share one build instead of rebuilding.
+if clippy_driver=$(rustup which clippy-driver 2>/dev/null) || clippy_driver=$(command -v clippy-driver); then
+    export RUSTC_WORKSPACE_WRAPPER="$clippy_driver"
+    export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+fi
+unset clippy_driver
+
+# The one native build every script uses: all crates, binaries and tests.
+shared_build() {
+    cargo test --workspace --no-run --locked "$@"
+}

@@ -5,17 +5,41 @@
 WASM_BINDGEN_VERSION=0.2.108
 TRUNK_VERSION=0.21.14
 
+# Build tools need not be fast: their own release profiles (trunk's is fat
+# LTO with one codegen unit) cost most of their install time on 2 cores.
+# Their builds share the project's target dir only for its cache, in a
+# folder of their own.
+install_tool() {
+    CARGO_PROFILE_RELEASE_LTO=false \
+    CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+    CARGO_PROFILE_RELEASE_OPT_LEVEL=1 \
+    CARGO_PROFILE_RELEASE_DEBUG=false \
+    RUSTC_WORKSPACE_WRAPPER= \
+    CARGO_TARGET_DIR="$CARGO_TARGET_DIR/tools" \
+        cargo install --locked "$@"
+}
+
+# Debian packages, as root (or through sudo).
+apt_install() {
+    echo "installing $* from Debian"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$@"
+}
+
 web_tools() {
     local with_browser="${1:-}"
     rustup target list --installed | grep -qx wasm32-unknown-unknown \
         || rustup target add wasm32-unknown-unknown
     if ! wasm-bindgen --version 2>/dev/null | grep -q " $WASM_BINDGEN_VERSION\$"; then
-        echo "installing wasm-bindgen-cli $WASM_BINDGEN_VERSION (about 8 minutes, once)"
-        cargo install wasm-bindgen-cli --version "$WASM_BINDGEN_VERSION" --locked
+        echo "installing wasm-bindgen-cli $WASM_BINDGEN_VERSION (a few minutes, once)"
+        install_tool wasm-bindgen-cli --version "$WASM_BINDGEN_VERSION"
     fi
     if ! trunk --version 2>/dev/null | grep -q " $TRUNK_VERSION\$"; then
-        echo "installing trunk $TRUNK_VERSION (about 14 minutes, once)"
-        cargo install trunk --version "$TRUNK_VERSION" --locked
+        echo "installing trunk $TRUNK_VERSION (a few minutes, once)"
+        # No update check and no TLS: the page is built offline.
+        install_tool trunk --version "$TRUNK_VERSION" --no-default-features
     fi
     local packages=()
     command -v node >/dev/null || packages+=(nodejs npm)
@@ -24,11 +48,7 @@ web_tools() {
         command -v chromedriver >/dev/null || packages+=(chromium-driver)
     fi
     if [ "${#packages[@]}" -gt 0 ]; then
-        echo "installing ${packages[*]} from Debian"
-        local sudo=""
-        [ "$(id -u)" -eq 0 ] || sudo=sudo
-        $sudo apt-get update -q
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "${packages[@]}"
+        apt_install "${packages[@]}"
     fi
     if [ ! -x web/node_modules/.bin/wasm-opt ]; then
         (cd web && npm ci --no-audit --no-fund)
@@ -60,4 +80,18 @@ build_web() {
     fi
     cp "$cache/$key.wasm" "$wasm"
     echo "web page built: dist/ ($(du -h "$wasm" | cut -f1) of WebAssembly after wasm-opt)"
+}
+
+# The official `openai` Python package in a venv of the cache, for the API
+# tests (tests/tests/api.rs finds it there or at $COROLLA_OPENAI_PYTHON).
+OPENAI_VERSION=3.57.0
+openai_venv() {
+    local venv="${COROLLA_CACHE:-$HOME/.cache/corolla}/openai-venv"
+    if ! "$venv/bin/python" -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
+        echo "installing openai $OPENAI_VERSION into $venv"
+        command -v python3 >/dev/null || apt_install python3 python3-venv
+        python3 -m venv "$venv" || { apt_install python3-venv && python3 -m venv "$venv"; }
+        "$venv/bin/pip" install -q "openai==$OPENAI_VERSION"
+    fi
+    command -v curl >/dev/null || apt_install curl
 }

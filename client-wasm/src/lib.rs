@@ -11,20 +11,18 @@
 mod download;
 mod swarm;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::time::Duration;
 
+use corolla_client::assistant::ClientPart;
 use corolla_client::{
-    generate_remote, ChatMessage, ChatTemplate, GenerateRequest, SessionSettings, TextStream,
-    TextTokenizer,
+    Assistant, ChatMessage, Conversation, GenerateRequest, SessionSettings, TextStream,
 };
-use corolla_model::{Checkpoint, ClientHead, DType, Device, QuantizedWeights, SamplingParams};
+use corolla_model::{Checkpoint, DType, QuantizedWeights, SamplingParams};
 use corolla_shared::flow::BROWSER_WINDOW;
-use corolla_shared::node::NodeHandle;
 use corolla_shared::session::StepTimeout;
-use corolla_shared::WireDType;
 use js_sys::{Function, Promise};
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
@@ -34,12 +32,21 @@ use wasm_bindgen_futures::future_to_promise;
 /// a typo should fail here with a clear message.
 const MAX_NEW_TOKENS: usize = 4096;
 
+/// The model before the page joins a swarm, and the assistant after.
+enum Model {
+    Loaded(ClientPart),
+    Joined(Rc<Assistant>),
+    /// Only while switching from one to the other.
+    Switching,
+}
+
 struct Inner {
     model: String,
-    head: ClientHead,
-    tokenizer: TextTokenizer,
-    template: ChatTemplate,
-    node: std::cell::RefCell<Option<NodeHandle>>,
+    info: InfoJs,
+    state: RefCell<Model>,
+    /// The page's conversation: its server sessions stay open between
+    /// turns, and an edited or regenerated message rewinds them.
+    conversation: RefCell<Conversation>,
     stop: Cell<bool>,
     busy: Cell<bool>,
 }
@@ -61,8 +68,9 @@ struct Settings {
     top_k: Option<usize>,
     #[serde(default = "default_max_new_tokens")]
     max_new_tokens: usize,
+    /// None: a fresh seed for every answer.
     #[serde(default)]
-    seed: u64,
+    seed: Option<u64>,
     #[serde(default = "default_true")]
     stop_at_eos: bool,
 }
@@ -75,9 +83,9 @@ fn default_true() -> bool {
     true
 }
 
-#[derive(Serialize)]
-struct Info<'a> {
-    model: &'a str,
+#[derive(Serialize, Clone)]
+struct InfoJs {
+    model: String,
     num_layers: usize,
     hidden_size: usize,
     vocab_size: usize,
@@ -89,6 +97,9 @@ struct AnswerJs<'a> {
     text: String,
     prompt_ids: &'a [u32],
     generated_ids: &'a [u32],
+    /// Prompt tokens the open sessions already held (not sent again).
+    reused_tokens: usize,
+    seed: u64,
     stop_reason: corolla_client::StopReason,
     tokens_per_second: f64,
     prefill_seconds: f64,
@@ -112,6 +123,22 @@ fn start() {
     console_error_panic_hook::set_once();
 }
 
+/// The settings of every session the page opens.
+fn browser_sessions(model: &str) -> SessionSettings {
+    SessionSettings {
+        model: model.to_string(),
+        flow_window: BROWSER_WINDOW,
+        timeout: Duration::from_secs(60),
+        // A WebRTC peer that vanished is noticed by the browser only after ~30 s
+        // of ICE consent failures; a one-token step that takes 8 s is a lost server.
+        step_timeout: Some(StepTimeout {
+            base: Duration::from_secs(8),
+            per_position: Duration::from_millis(20),
+        }),
+        ..SessionSettings::default()
+    }
+}
+
 #[wasm_bindgen]
 impl CorollaClient {
     /// Downloads (or takes from the browser cache) the client part that the
@@ -128,22 +155,30 @@ impl CorollaClient {
                 .map_err(error)?;
             files.push((file.name.clone(), bytes));
         }
-        let inner = build(manifest.model, files).map_err(error)?;
+        let part = load_part(files).map_err(error)?;
+        let cfg = part.head.config();
+        let info = InfoJs {
+            model: manifest.model.clone(),
+            num_layers: cfg.num_hidden_layers,
+            hidden_size: cfg.hidden_size,
+            vocab_size: cfg.vocab_size,
+            max_positions: cfg.max_position_embeddings,
+        };
         Ok(CorollaClient {
-            inner: Rc::new(inner),
+            inner: Rc::new(Inner {
+                model: manifest.model,
+                info,
+                state: RefCell::new(Model::Loaded(part)),
+                conversation: RefCell::new(Conversation::new()),
+                stop: Cell::new(false),
+                busy: Cell::new(false),
+            }),
         })
     }
 
     /// `{model, num_layers, hidden_size, vocab_size, max_positions}`.
     pub fn info(&self) -> Result<JsValue, JsValue> {
-        let cfg = self.inner.head.config();
-        to_js(&Info {
-            model: &self.inner.model,
-            num_layers: cfg.num_hidden_layers,
-            hidden_size: cfg.hidden_size,
-            vocab_size: cfg.vocab_size,
-            max_positions: cfg.max_position_embeddings,
-        })
+        to_js(&self.inner.info)
     }
 
     /// Joins the swarm through `bootstrap` (multiaddrs ending in
@@ -152,23 +187,42 @@ impl CorollaClient {
     pub fn connect(&self, bootstrap: Vec<String>) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
+            if inner.busy.get() {
+                return Err(error("cannot join another swarm while answering"));
+            }
             let node = swarm::connect(&bootstrap).await.map_err(error)?;
-            *inner.node.borrow_mut() = Some(node);
+            let part = match inner.state.replace(Model::Switching) {
+                Model::Loaded(part) => part,
+                Model::Joined(assistant) => match Rc::try_unwrap(assistant) {
+                    Ok(assistant) => assistant.into_part(),
+                    Err(shared) => {
+                        inner.state.replace(Model::Joined(shared));
+                        return Err(error("cannot join another swarm while answering"));
+                    }
+                },
+                Model::Switching => return Err(error("already joining a swarm")),
+            };
+            let assistant =
+                Assistant::on_swarm(part, node, browser_sessions(&inner.model)).map_err(error)?;
+            inner.state.replace(Model::Joined(Rc::new(assistant)));
+            // Sessions on the old swarm are of no use any more.
+            inner.conversation.replace(Conversation::new());
             Ok(JsValue::UNDEFINED)
         })
     }
 
     /// Answers the conversation `messages` (`[{role, content}]`) with the
     /// model's chat template. `on_token(piece, token_id)` sees the text as it
-    /// streams. Resolves with the answer, its route and speed.
+    /// streams. Resolves with the answer, its route and speed. Follow-ups
+    /// (the same messages and more) send only what is new to the servers.
     pub fn chat(&self, messages: JsValue, settings: JsValue, on_token: Function) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
+            let assistant = joined(&inner)?;
             let messages: Vec<ChatMessage> = serde_wasm_bindgen::from_value(messages)
                 .map_err(|e| error(format!("messages must be [{{role, content}}]: {e}")))?;
-            let text = inner.template.render(&messages, true).map_err(error)?;
-            let prompt_ids = inner.tokenizer.encode_chat(&text).map_err(error)?;
-            answer(&inner, prompt_ids, settings, on_token).await
+            let prompt_ids = assistant.chat_prompt(&messages).map_err(error)?;
+            answer(&inner, &assistant, prompt_ids, settings, on_token).await
         })
     }
 
@@ -176,8 +230,9 @@ impl CorollaClient {
     pub fn complete(&self, prompt: String, settings: JsValue, on_token: Function) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
-            let prompt_ids = inner.tokenizer.encode(&prompt).map_err(error)?;
-            answer(&inner, prompt_ids, settings, on_token).await
+            let assistant = joined(&inner)?;
+            let prompt_ids = assistant.tokenizer().encode(&prompt).map_err(error)?;
+            answer(&inner, &assistant, prompt_ids, settings, on_token).await
         })
     }
 
@@ -186,36 +241,53 @@ impl CorollaClient {
     pub fn stop(&self) {
         self.inner.stop.set(true);
     }
+
+    /// Keeps the conversation's server sessions open while it is idle on
+    /// screen (servers expire idle sessions); call it every minute or so.
+    /// Does nothing while an answer runs.
+    #[wasm_bindgen(js_name = keepAlive)]
+    pub fn keep_alive(&self) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            if inner.busy.replace(true) {
+                return Ok(JsValue::UNDEFINED);
+            }
+            let _busy = BusyGuard(&inner.busy);
+            let mut conversation = inner.conversation.take();
+            conversation.keep_alive().await;
+            inner.conversation.replace(conversation);
+            Ok(JsValue::UNDEFINED)
+        })
+    }
+
+    /// Closes the conversation's server sessions (a new conversation on
+    /// screen): the next answer opens new ones.
+    pub fn reset(&self) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            if inner.busy.get() {
+                return Err(error("an answer is being generated"));
+            }
+            let old = inner.conversation.replace(Conversation::new());
+            old.close().await;
+            Ok(JsValue::UNDEFINED)
+        })
+    }
 }
 
-fn build(model: String, files: Vec<(String, Vec<u8>)>) -> Result<Inner, String> {
+fn joined(inner: &Inner) -> Result<Rc<Assistant>, JsValue> {
+    match &*inner.state.borrow() {
+        Model::Joined(assistant) => Ok(assistant.clone()),
+        _ => Err(error("not connected: call connect() first")),
+    }
+}
+
+fn load_part(files: Vec<(String, Vec<u8>)>) -> Result<ClientPart, String> {
     let checkpoint = Checkpoint::from_memory(files)
         .map_err(|e| e.to_string())?
         // As the CLI does, so that both compute the same logits.
         .with_quantized_weights(QuantizedWeights::Auto);
-    let tokenizer = TextTokenizer::for_checkpoint(&checkpoint).map_err(|e| e.to_string())?;
-    let cfg = checkpoint.config();
-    let template = ChatTemplate::new(
-        checkpoint
-            .chat_template()
-            .map_err(|e| e.to_string())?
-            .as_deref(),
-        &tokenizer,
-        cfg.bos_token_id,
-        cfg.eos_token_ids.first().copied(),
-    )
-    .map_err(|e| e.to_string())?;
-    let head =
-        ClientHead::load(&checkpoint, DType::F32, &Device::Cpu).map_err(|e| e.to_string())?;
-    Ok(Inner {
-        model,
-        head,
-        tokenizer,
-        template,
-        node: Default::default(),
-        stop: Cell::new(false),
-        busy: Cell::new(false),
-    })
+    ClientPart::load(&checkpoint, DType::F32).map_err(|e| e.to_string())
 }
 
 /// Clears the busy flag however the answer ends.
@@ -227,8 +299,15 @@ impl Drop for BusyGuard<'_> {
     }
 }
 
+fn fresh_seed() -> u64 {
+    let high = (js_sys::Math::random() * 4294967296.0) as u64;
+    let low = (js_sys::Math::random() * 4294967296.0) as u64;
+    (high << 32) | low
+}
+
 async fn answer(
     inner: &Inner,
+    assistant: &Assistant,
     prompt_ids: Vec<u32>,
     settings: JsValue,
     on_token: Function,
@@ -245,16 +324,12 @@ async fn answer(
             settings.max_new_tokens
         )));
     }
-    let node = inner
-        .node
-        .borrow()
-        .clone()
-        .ok_or_else(|| error("not connected: call connect() first"))?;
     if inner.busy.replace(true) {
         return Err(error("an answer is already being generated"));
     }
     let _busy = BusyGuard(&inner.busy);
     inner.stop.set(false);
+    let seed = settings.seed.unwrap_or_else(fresh_seed);
     let request = GenerateRequest {
         prompt_ids,
         max_new_tokens: settings.max_new_tokens,
@@ -263,30 +338,15 @@ async fn answer(
             top_k: settings.top_k,
             top_p: settings.top_p,
             repetition_penalty: 1.0,
-            seed: settings.seed,
+            seed,
         },
         stop_at_eos: settings.stop_at_eos,
     };
-    request.sampling.validate().map_err(error)?;
-    let cfg = inner.head.config();
-    let mut session = SessionSettings::new(
-        inner.model.clone(),
-        cfg.num_hidden_layers,
-        request.max_length().max(1),
-        WireDType::F32,
-    );
-    session.flow_window = BROWSER_WINDOW;
-    session.timeout = Duration::from_secs(60);
-    // A WebRTC peer that vanished is noticed by the browser only after ~30 s
-    // of ICE consent failures; a one-token step that takes 8 s is a lost server.
-    session.step_timeout = Some(StepTimeout {
-        base: Duration::from_secs(8),
-        per_position: Duration::from_millis(20),
-    });
+    let tokenizer = assistant.tokenizer();
     let mut stream = TextStream::default();
     let mut callback_error = None;
     let on_token = |token: u32| {
-        let piece = match stream.push(&inner.tokenizer, token) {
+        let piece = match stream.push(tokenizer, token) {
             Ok(piece) => piece.unwrap_or_default(),
             Err(e) => {
                 callback_error = Some(e.to_string());
@@ -302,26 +362,29 @@ async fn answer(
             ControlFlow::Continue(())
         }
     };
-    let answer = generate_remote(&node, session, &inner.head, &request, on_token)
-        .await
-        .map_err(error)?;
+    // Out of the cell while answering: nothing else can touch it (busy).
+    let mut conversation = inner.conversation.take();
+    let answer = assistant
+        .answer(&mut conversation, &request, on_token)
+        .await;
+    inner.conversation.replace(conversation);
+    let answer = answer.map_err(error)?;
     if let Some(e) = callback_error {
         return Err(error(e));
     }
-    let output = answer.output.map_err(error)?;
-    let text = inner
-        .tokenizer
-        .decode(&output.generated_ids)
-        .map_err(error)?;
+    let output = &answer.output;
+    let text = tokenizer.decode(&output.generated_ids).map_err(error)?;
     to_js(&AnswerJs {
         text,
         prompt_ids: &output.prompt_ids,
         generated_ids: &output.generated_ids,
+        reused_tokens: answer.reused_tokens,
+        seed,
         stop_reason: output.stop_reason,
         tokens_per_second: output.tokens_per_second(),
         prefill_seconds: output.prefill_time.as_secs_f64(),
         total_seconds: output.total_time.as_secs_f64(),
-        route: &answer.route,
+        route: answer.route.as_deref().unwrap_or_default(),
         recoveries: &answer.recoveries,
     })
 }

@@ -1,23 +1,24 @@
 //! A session through remote servers, surviving their failures: the chain
 //! keeps every input each span was sent and replays it to replacements.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{from_view, to_payload};
-use corolla_model::{ClientHead, Device, Tensor};
+use corolla_model::{Device, Tensor};
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::OpenRequest;
-use corolla_shared::session::{fetch_info, RemoteSession, SessionError, StepTimeout};
-use corolla_shared::{ServerRecord, TensorPayload, WireDType};
+use corolla_shared::session::{RemoteSession, SessionError, StepTimeout};
+use corolla_shared::{TensorPayload, WireDType};
 use libp2p::PeerId;
 use serde::Serialize;
 use web_time::Instant;
 
 use crate::error::ClientError;
-use crate::generate::{generate, BlockChain, GenerateOutput, GenerateRequest};
-use crate::route::{matching_servers, plan_route_between, Hop, RouteCosts};
+use crate::generate::BlockChain;
+use crate::route::Hop;
+use crate::swarm_view::SwarmView;
 
 /// Settings of the sessions a client opens.
 #[derive(Debug, Clone)]
@@ -45,6 +46,13 @@ pub struct SessionSettings {
     pub flow_window: u32,
 }
 
+impl Default for SessionSettings {
+    /// For [`crate::Assistant::swarm`], which fills in the model's part.
+    fn default() -> Self {
+        Self::new("", 0, 0, WireDType::F32)
+    }
+}
+
 impl SessionSettings {
     pub fn new(
         model: impl Into<String>,
@@ -66,14 +74,6 @@ impl SessionSettings {
             blocked_servers: HashSet::new(),
             flow_window: 0,
         }
-    }
-
-    fn admits(&self, peer: &str) -> bool {
-        !self.blocked_servers.contains(peer)
-            && self
-                .allowed_servers
-                .as_ref()
-                .is_none_or(|a| a.contains(peer))
     }
 }
 
@@ -123,48 +123,48 @@ async fn run_sessions(
 /// (error, closed stream, timeout), the chain bans it, finds a replacement
 /// route for exactly its blocks, replays every input those blocks were sent
 /// to rebuild the caches, and goes on; the outputs are the same as without
-/// the failure.
+/// the failure. A chain can be rewound ([`RemoteChain::rewind`]) and stepped
+/// on, which is how a conversation's next turn sends only its new tokens.
 pub struct RemoteChain {
-    node: NodeHandle,
+    view: SwarmView,
     settings: SessionSettings,
     device: Device,
     hops: Vec<HopState>,
-    costs: RouteCosts,
-    /// Peer id -> (failures, banned until).
-    bans: HashMap<String, (u32, Instant)>,
-    /// The servers the last DHT lookup found: a recovery routes around a
-    /// failed server from these first, without waiting on a lookup that may
-    /// hang on the dead peer.
-    known: Vec<ServerRecord>,
     recoveries: Vec<Recovery>,
     steps: usize,
+    last_step_at: Instant,
 }
 
-const BAN_BASE: Duration = Duration::from_secs(2);
-const BAN_MAX: Duration = Duration::from_secs(300);
-/// Candidates whose round trip is measured before routing.
-const MAX_PINGED: usize = 16;
+/// After this long without a step, a failing server may only have expired
+/// the session: it is reopened and replayed before anyone is banned.
+const IDLE_BEFORE_EXPIRY_SUSPECTED: Duration = Duration::from_secs(20);
 
 impl RemoteChain {
-    /// Finds servers for every block and opens a session on each.
+    /// Finds servers for every block and opens a session on each, routing
+    /// from a view of the swarm of its own.
     pub async fn connect(
         node: &NodeHandle,
         settings: SessionSettings,
         device: &Device,
     ) -> Result<Self, ClientError> {
+        let view = SwarmView::new(node.clone(), &settings);
+        Self::connect_via(&view, settings, device).await
+    }
+
+    /// Finds servers for every block in `view` and opens a session on each.
+    pub async fn connect_via(
+        view: &SwarmView,
+        settings: SessionSettings,
+        device: &Device,
+    ) -> Result<Self, ClientError> {
         let mut chain = RemoteChain {
-            node: node.clone(),
-            costs: RouteCosts {
-                max_length: settings.max_length,
-                ..RouteCosts::default()
-            },
+            view: view.clone(),
             settings,
             device: device.clone(),
             hops: Vec::new(),
-            bans: HashMap::new(),
-            known: Vec::new(),
             recoveries: Vec::new(),
             steps: 0,
+            last_step_at: Instant::now(),
         };
         let num_layers = chain.settings.num_layers;
         let mut attempts = 0;
@@ -189,7 +189,7 @@ impl RemoteChain {
                 Err(ClientError::Session(e)) if attempts < chain.settings.max_retries => {
                     attempts += 1;
                     tracing::debug!(error = %e, "cannot open a session; routing around that server");
-                    chain.ban(&e.peer().to_string());
+                    chain.view.ban(&e.peer().to_string());
                 }
                 Err(e) => return Err(e),
             }
@@ -209,6 +209,41 @@ impl RemoteChain {
         &self.recoveries
     }
 
+    /// The recoveries so far, leaving none behind (one answer's worth).
+    pub fn take_recoveries(&mut self) -> Vec<Recovery> {
+        std::mem::take(&mut self.recoveries)
+    }
+
+    /// Positions the sessions were opened for.
+    pub fn capacity(&self) -> usize {
+        self.settings.max_length
+    }
+
+    /// Forgets positions `len..`: the next step may start at `len`, and
+    /// replays onto replacement servers send only what comes before it.
+    pub fn rewind(&mut self, len: usize) {
+        for hop in &mut self.hops {
+            hop.history.retain(|(start, _)| (*start as usize) < len);
+            if let Some((start, input)) = hop.history.last_mut() {
+                input.truncate_axis1(len - *start as usize);
+            }
+        }
+    }
+
+    /// Sends every hop's last step again, exactly as it was sent (so the
+    /// caches are rewritten with the same numbers): servers count it as
+    /// activity and keep the sessions of an idle conversation open. A
+    /// failure is left for the next answer's recovery.
+    pub async fn keep_alive(&mut self) -> Result<(), SessionError> {
+        for hop in &mut self.hops {
+            if let Some((start, input)) = hop.history.last() {
+                run_sessions(&mut hop.sessions, *start, input).await?;
+            }
+        }
+        self.last_step_at = Instant::now();
+        Ok(())
+    }
+
     pub async fn close(self) {
         for hop in self.hops {
             for (_, s) in hop.sessions {
@@ -217,77 +252,12 @@ impl RemoteChain {
         }
     }
 
-    fn banned(&self, peer: &str) -> bool {
-        self.bans
-            .get(peer)
-            .is_some_and(|(_, until)| Instant::now() < *until)
-    }
-
-    fn ban(&mut self, peer: &str) {
-        let entry = self
-            .bans
-            .entry(peer.to_string())
-            .or_insert((0, Instant::now()));
-        entry.0 += 1;
-        let backoff = BAN_BASE.saturating_mul(1 << entry.0.min(8)).min(BAN_MAX);
-        entry.1 = Instant::now() + backoff;
-    }
-
-    /// Looks the model up until servers cover `from..to` (or the discovery
-    /// time is up) and picks the fastest chain among them.
+    // `&mut self` for the same reason as `open`.
     async fn find_route(&mut self, from: usize, to: usize) -> Result<Vec<Hop>, ClientError> {
-        let deadline = Instant::now() + self.settings.discovery_timeout;
-        let mut from_known = !self.known.is_empty();
-        loop {
-            let used_known = std::mem::take(&mut from_known);
-            let found = if used_known {
-                self.known.clone()
-            } else {
-                let found = self
-                    .node
-                    .discover(&self.settings.model, Duration::from_secs(5))
-                    .await
-                    .unwrap_or_default();
-                self.known = found.clone();
-                found
-            };
-            let mut records = matching_servers(found, self.settings.expected_blocks.as_deref());
-            records.retain(|r| self.settings.admits(&r.peer_id) && !self.banned(&r.peer_id));
-            self.measure_rtts(&records).await;
-            match plan_route_between(&records, from, to, &self.costs) {
-                Ok(route) => return Ok(route),
-                Err(e) if Instant::now() >= deadline => return Err(e),
-                // The known servers did not do: look them up now.
-                Err(_) if used_known => {}
-                Err(_) => corolla_shared::node::sleep(Duration::from_millis(300)).await,
-            }
-        }
-    }
-
-    /// Pings (over the info protocol) up to [`MAX_PINGED`] candidates, and
-    /// folds the round trips into the moving averages.
-    async fn measure_rtts(&mut self, records: &[ServerRecord]) {
-        let node = &self.node;
-        let pings = records.iter().take(MAX_PINGED).filter_map(|r| {
-            let peer: PeerId = r.peer_id.parse().ok()?;
-            let mut control = node.control();
-            Some(async move {
-                let started = Instant::now();
-                let ok = fetch_info(&mut control, peer, Duration::from_secs(2))
-                    .await
-                    .is_ok();
-                (
-                    peer.to_string(),
-                    ok.then(|| started.elapsed().as_secs_f64()),
-                )
-            })
-        });
-        for (peer, rtt) in futures::future::join_all(pings).await {
-            match rtt {
-                Some(rtt) => self.costs.record_rtt(&peer, rtt),
-                None => self.costs.record_rtt(&peer, 1.0),
-            }
-        }
+        let s = &self.settings;
+        self.view
+            .route(from, to, s.max_length, s.discovery_timeout)
+            .await
     }
 
     // `&mut self`: a shared borrow held across an await would need the chain to be Sync.
@@ -311,12 +281,49 @@ impl RemoteChain {
             dtype: self.settings.dtype,
             flow_window: self.settings.flow_window,
         };
-        let mut control = self.node.control();
+        let mut control = self.view.node().control();
         Ok(
             RemoteSession::open(&mut control, peer, request, self.settings.timeout)
                 .await?
                 .with_step_timeout(self.settings.step_timeout),
         )
+    }
+
+    /// After a pause, reopens hop `index` on the servers it had and replays
+    /// its history: servers expire idle sessions, which is no fault of theirs.
+    async fn reopen_expired(
+        &mut self,
+        index: usize,
+        error: &SessionError,
+        position: usize,
+    ) -> bool {
+        let started = Instant::now();
+        let route: Vec<Hop> = self.hops[index]
+            .sessions
+            .iter()
+            .map(|(hop, _)| hop.clone())
+            .collect();
+        match self.rebuild(index, &route).await {
+            Ok(sessions) => {
+                tracing::debug!(%error, "reopened sessions after a pause");
+                self.hops[index].sessions = sessions;
+                self.recoveries.push(Recovery {
+                    step: self.steps,
+                    position,
+                    failed_peer: error.peer().to_string(),
+                    error: error.to_string(),
+                    start: self.hops[index].start,
+                    end: self.hops[index].end,
+                    replacement: route,
+                    seconds: started.elapsed().as_secs_f64(),
+                });
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "reopening after a pause failed");
+                false
+            }
+        }
     }
 
     /// Replaces the servers of hop `index` after `error`, replaying its history.
@@ -329,7 +336,7 @@ impl RemoteChain {
         let started = Instant::now();
         let failed = error.peer().to_string();
         tracing::warn!(peer = %failed, %error, "server failed; finding a replacement");
-        self.ban(&failed);
+        self.view.ban(&failed);
         let (from, to) = (self.hops[index].start, self.hops[index].end);
         let mut attempts = 0;
         loop {
@@ -356,8 +363,7 @@ impl RemoteChain {
                 Err(e) => {
                     tracing::warn!(error = %e, "replacement failed too");
                     if let ClientError::Session(se) = &e {
-                        let peer = se.peer().to_string();
-                        self.ban(&peer);
+                        self.view.ban(&se.peer().to_string());
                     }
                     if attempts > self.settings.max_retries {
                         return Err(e);
@@ -412,6 +418,7 @@ impl BlockChain for RemoteChain {
     async fn forward(&mut self, hidden: Tensor, start: usize) -> Result<Tensor, ClientError> {
         let mut payload = to_payload(&hidden, self.settings.dtype)?;
         let mut failures = 0;
+        let mut after_pause = self.last_step_at.elapsed() > IDLE_BEFORE_EXPIRY_SUSPECTED;
         for index in 0..self.hops.len() {
             loop {
                 match run_sessions(&mut self.hops[index].sessions, start as u32, &payload).await {
@@ -421,6 +428,11 @@ impl BlockChain for RemoteChain {
                         break;
                     }
                     Err(e) => {
+                        if std::mem::take(&mut after_pause)
+                            && self.reopen_expired(index, &e, start).await
+                        {
+                            continue;
+                        }
                         failures += 1;
                         if failures > self.settings.max_retries {
                             return Err(e.into());
@@ -431,36 +443,7 @@ impl BlockChain for RemoteChain {
             }
         }
         self.steps += 1;
+        self.last_step_at = Instant::now();
         Ok(from_view(&payload.view(), &self.device)?)
     }
-}
-
-/// One answer generated through the swarm, with the route that finished it
-/// and the failures it survived (known even when the answer failed).
-pub struct RemoteAnswer {
-    pub output: Result<GenerateOutput, ClientError>,
-    pub route: Vec<Hop>,
-    pub recoveries: Vec<Recovery>,
-}
-
-/// Opens a chain through the swarm for `request`, generates, and closes the
-/// sessions: what the CLI and the browser client do for each answer.
-pub async fn generate_remote(
-    node: &NodeHandle,
-    settings: SessionSettings,
-    head: &ClientHead,
-    request: &GenerateRequest,
-    on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
-) -> Result<RemoteAnswer, ClientError> {
-    let mut chain = RemoteChain::connect(node, settings, head.device()).await?;
-    let output = generate(head, &mut chain, request, on_token).await;
-    // After recoveries, the servers that finished the answer.
-    let route = chain.route();
-    let recoveries = chain.recoveries().to_vec();
-    chain.close().await;
-    Ok(RemoteAnswer {
-        output,
-        route,
-        recoveries,
-    })
 }

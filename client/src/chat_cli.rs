@@ -17,8 +17,9 @@ use libp2p::Multiaddr;
 use serde::Deserialize;
 use tokio::sync::{mpsc, Notify};
 
+use crate::assistant::{Answer, Assistant, Conversation};
 use crate::chat::ChatMessage;
-use crate::cli::{runtime, Answer, Assistant, ModelArgs, SamplingArgs, SwarmArgs};
+use crate::cli::{open_assistant, runtime, ModelArgs, SamplingArgs, SwarmArgs};
 use crate::generate::{GenerateRequest, StopReason};
 use crate::text::TextStream;
 
@@ -73,17 +74,17 @@ pub struct DemoArgs {
 
 pub fn run_chat(args: ChatArgs) -> Result<()> {
     let rt = runtime()?;
-    let assistant = rt.block_on(Assistant::open(&args.model, args.local, &args.swarm))?;
+    let assistant = rt.block_on(open_assistant(&args.model, args.local, &args.swarm))?;
     let signals = Signals::install(&rt);
     print_ready(&assistant);
-    chat_loop(&rt, &signals, &assistant, &args.chat, None)
+    chat_loop(&rt, &signals, &assistant, &args.chat, None).map(drop)
 }
 
 fn print_ready(assistant: &Assistant) {
     if std::io::stdin().is_terminal() {
         eprintln!("Type a message and press Enter. Ctrl-C stops an answer; Ctrl-D (or Ctrl-C at the prompt) quits.");
     }
-    tracing::debug!(template = assistant.template.kind, "chat template");
+    tracing::debug!(template = assistant.template().kind, "chat template");
 }
 
 /// Ctrl-C stops an answer, or quits at the prompt; SIGTERM and SIGHUP stop
@@ -151,9 +152,19 @@ impl Signals {
     }
 }
 
-/// What the chat loop reads: lines from stdin, or a quit request.
+/// What the chat loop reads: lines from stdin, their end, or a quit request.
 enum Input {
     Line(String),
+    End,
+    Quit,
+}
+
+/// Why a chat ended.
+#[derive(Debug, PartialEq, Eq)]
+enum ChatEnd {
+    /// Standard input ended (or the single message was answered).
+    InputEnded,
+    /// Ctrl-C at the prompt, SIGTERM or SIGHUP.
     Quit,
 }
 
@@ -165,7 +176,7 @@ fn chat_loop(
     assistant: &Assistant,
     opts: &ChatOptions,
     single: Option<String>,
-) -> Result<()> {
+) -> Result<ChatEnd> {
     let interactive = single.is_none() && std::io::stdin().is_terminal();
     let (lines_tx, mut lines_rx) = mpsc::channel::<String>(1);
     match single {
@@ -191,6 +202,8 @@ fn chat_loop(
         terminated,
     } = signals;
     rt.block_on(async {
+        // One conversation for the whole chat: each turn sends only its new tokens.
+        let mut conversation = Conversation::new();
         let mut messages: Vec<ChatMessage> = opts
             .system
             .iter()
@@ -202,23 +215,23 @@ fn chat_loop(
                 let _ = std::io::stderr().flush();
             }
             let input = tokio::select! {
-                line = lines_rx.recv() => line.map_or(Input::Quit, Input::Line),
+                line = lines_rx.recv() => line.map_or(Input::End, Input::Line),
                 _ = quit.notified() => Input::Quit,
             };
             let line = match input {
-                Input::Quit => {
-                    if interactive {
-                        eprintln!();
-                    }
-                    return Ok(());
+                Input::Quit | Input::End if interactive => {
+                    eprintln!();
+                    return Ok(ChatEnd::Quit);
                 }
+                Input::Quit => return Ok(ChatEnd::Quit),
+                Input::End => return Ok(ChatEnd::InputEnded),
                 Input::Line(line) => line.trim().to_string(),
             };
             if line.is_empty() {
                 continue;
             }
             if terminated.load(Ordering::SeqCst) {
-                return Ok(());
+                return Ok(ChatEnd::Quit);
             }
             messages.push(ChatMessage::user(line));
             let prompt_ids = match fit_prompt(assistant, &mut messages, opts.max_new_tokens) {
@@ -237,7 +250,7 @@ fn chat_loop(
             };
             stop.store(false, Ordering::SeqCst);
             generating.store(true, Ordering::SeqCst);
-            let answer = stream_answer(assistant, &request, stop).await;
+            let answer = stream_answer(assistant, &mut conversation, &request, stop).await;
             generating.store(false, Ordering::SeqCst);
             match answer {
                 Ok((text, answer)) => {
@@ -260,7 +273,7 @@ fn fit_prompt(
     messages: &mut Vec<ChatMessage>,
     max_new_tokens: usize,
 ) -> Result<Vec<u32>> {
-    let max = assistant.checkpoint.config().max_position_embeddings;
+    let max = assistant.max_positions();
     loop {
         let ids = assistant.chat_prompt(messages)?;
         if ids.len() + max_new_tokens <= max {
@@ -279,15 +292,16 @@ fn fit_prompt(
 
 async fn stream_answer(
     assistant: &Assistant,
+    conversation: &mut Conversation,
     request: &GenerateRequest,
     stop: &AtomicBool,
 ) -> Result<(String, Answer)> {
-    let tokenizer = &assistant.tokenizer;
+    let tokenizer = assistant.tokenizer();
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout();
     let mut text = String::new();
     let answer = assistant
-        .answer(request, |token| {
+        .answer(conversation, request, |token| {
             if stop.load(Ordering::SeqCst) {
                 return ControlFlow::Break(());
             }
@@ -310,7 +324,7 @@ fn report(answer: &Answer) {
         out.generated_ids.len(),
         out.tokens_per_second()
     );
-    if let Some((route, recoveries)) = &answer.route {
+    if let Some(route) = &answer.route {
         let hops: Vec<String> = route
             .iter()
             .map(|h| {
@@ -320,10 +334,10 @@ fn report(answer: &Answer) {
             })
             .collect();
         line.push_str(&format!(", servers: {}", hops.join(", ")));
-        if !recoveries.is_empty() {
+        if !answer.recoveries.is_empty() {
             line.push_str(&format!(
                 ", {} server(s) lost and replaced",
-                recoveries.len()
+                answer.recoveries.len()
             ));
         }
     }
@@ -517,13 +531,20 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     let swarm = LocalSwarm::start(&path, num_layers, args.servers, quantized, &web, &signals)?;
     let bootstrap = swarm.bootstrap()?;
     eprintln!("local swarm ready; bootstrap address {bootstrap}");
-    match (swarm.first_server()?.http, &web.dir) {
-        (Some(url), Some(_)) => eprintln!("web chat: {url}/  (open it in a browser)"),
-        (Some(url), None) => eprintln!(
-            "no web page to serve (build it with scripts/demo.sh, or pass --web-dir); the model and status are at {url}/api/status"
-        ),
-        (None, _) => {}
-    }
+    // With --prompt the demo ends after one answer: no page to point at.
+    let page = match (swarm.first_server()?.http, &web.dir) {
+        (Some(url), Some(_)) if args.prompt.is_none() => {
+            eprintln!("web chat: {url}/  (open it in a browser)");
+            Some(url)
+        }
+        (Some(url), None) if args.prompt.is_none() => {
+            eprintln!(
+                "no web page to serve (build it with scripts/demo.sh, or pass --web-dir); the model and status are at {url}/api/status"
+            );
+            None
+        }
+        _ => None,
+    };
     let swarm_args = SwarmArgs {
         initial_peers: vec![bootstrap],
         model_name: None,
@@ -537,13 +558,19 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         model: Some(path),
         ..model
     };
-    let assistant = rt.block_on(Assistant::open(&model, false, &swarm_args))?;
+    let assistant = rt.block_on(open_assistant(&model, false, &swarm_args))?;
     if args.prompt.is_none() {
         print_ready(&assistant);
     }
+    let single = args.prompt.is_some();
     let result = chat_loop(&rt, &signals, &assistant, &args.chat, args.prompt.clone());
+    if let (Ok(ChatEnd::InputEnded), Some(url), false) = (&result, &page, single) {
+        // Started without a terminal (or its input closed): the page is the chat.
+        eprintln!("standard input is closed; the web chat stays up at {url}/ until Ctrl-C");
+        rt.block_on(signals.quit.notified());
+    }
     drop(swarm);
-    result
+    result.map(drop)
 }
 
 #[cfg(test)]

@@ -9,25 +9,21 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use corolla_model::convert::{convert, ConvertProgress};
-use corolla_model::fingerprint::{block_hashes, default_model_name};
-use corolla_model::wire::wire_dtype;
-use corolla_model::{
-    BlockSpan, Checkpoint, ClientHead, DType, Device, ModelDType, QuantizedWeights, SamplingParams,
-};
-use corolla_shared::node::NodeHandle;
+use corolla_model::fingerprint::default_model_name;
+use corolla_model::{Checkpoint, Device, ModelDType, QuantizedWeights, SamplingParams};
 use corolla_shared::ServerRecord;
 use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
 use serde::Serialize;
 
-use crate::chain::{generate_remote, Recovery, SessionSettings};
-use crate::chat::{ChatMessage, ChatTemplate};
-use crate::generate::{generate, GenerateOutput, GenerateRequest};
-use crate::local::LocalChain;
+use crate::assistant::{Answer, Assistant, Conversation};
+use crate::chain::{Recovery, SessionSettings};
+use crate::chat::ChatMessage;
+use crate::generate::GenerateRequest;
 use crate::models::{DEFAULT_INDEX, DEFAULT_MODEL};
 use crate::network::connect;
 use crate::route::{uncovered_blocks, Hop};
-use crate::text::{TextStream, TextTokenizer};
+use crate::text::TextStream;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -54,6 +50,33 @@ enum Command {
     Demo(crate::chat_cli::DemoArgs),
     /// Fetch the default model into the cache and print its path.
     FetchModel,
+    /// Serve an OpenAI-compatible HTTP API in front of a swarm or a local model.
+    Api(ApiArgs),
+}
+
+#[derive(Args, Debug)]
+struct ApiArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Run every block in this process.
+    #[arg(long, conflicts_with = "initial_peers")]
+    local: bool,
+    #[command(flatten)]
+    swarm: SwarmArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// 0: any free port (the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Requests must send `Authorization: Bearer KEY`.
+    #[arg(long, env = "COROLLA_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Answers generated at once; further requests wait.
+    #[arg(long, default_value_t = 16)]
+    max_concurrent: usize,
+    /// Finished conversations whose server sessions stay open for follow-ups.
+    #[arg(long, default_value_t = 8)]
+    kept_conversations: usize,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -223,7 +246,50 @@ pub fn run() -> Result<()> {
             println!("{}", fetch_default_model()?.display());
             Ok(())
         }
+        Command::Api(args) => runtime()?.block_on(run_api(args)),
     }
+}
+
+async fn run_api(args: ApiArgs) -> Result<()> {
+    let assistant = open_assistant(&args.model, args.local, &args.swarm).await?;
+    let settings = crate::api::ApiSettings {
+        addr: std::net::SocketAddr::new(args.host, args.port),
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+        max_concurrent: args.max_concurrent,
+        kept_conversations: args.kept_conversations,
+        ..crate::api::ApiSettings::default()
+    };
+    let server = crate::api::serve(std::sync::Arc::new(assistant), settings)
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    eprintln!(
+        "OpenAI-compatible API: http://{}/v1 (Ctrl-C stops it)",
+        server.addr()
+    );
+    wait_for_stop_signal().await;
+    eprintln!("stopping the API");
+    server.shutdown().await?;
+    Ok(())
+}
+
+/// Ctrl-C, or SIGTERM/SIGHUP on Unix.
+async fn wait_for_stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let (Ok(mut term), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+                _ = hup.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 /// Logging to stderr, and an explicit rayon pool size: unset, candle
@@ -271,144 +337,47 @@ struct GenerateJson<'a> {
     recoveries: Option<&'a [Recovery]>,
 }
 
-/// A model opened on the client side: head, tokenizer, chat template, and
-/// where its blocks run (in this process, or on the swarm).
-pub(crate) struct Assistant {
-    pub checkpoint: Checkpoint,
-    pub tokenizer: TextTokenizer,
-    pub template: ChatTemplate,
-    head: ClientHead,
-    dtype: DType,
-    blocks: Blocks,
+/// Opens `args`'s model for answers: its blocks run in this process, or on
+/// the swarm that `swarm` enters through.
+pub(crate) async fn open_assistant(
+    args: &ModelArgs,
+    local: bool,
+    swarm: &SwarmArgs,
+) -> Result<Assistant> {
+    if !local && swarm.initial_peers.is_empty() {
+        bail!("pass --initial-peers to run through a swarm, or --local to run the whole model in this process");
+    }
+    let path = args.path()?;
+    let checkpoint = open_checkpoint(&path)?.with_quantized_weights(args.quantized);
+    let dtype = args.dtype.resolve(checkpoint.config(), &Device::Cpu);
+    let assistant = if local {
+        Assistant::local(&checkpoint, dtype)?
+    } else {
+        let node = connect(&swarm.initial_peers).await?;
+        Assistant::swarm(&checkpoint, dtype, node, swarm.session_settings())?
+    };
+    Ok(assistant)
 }
 
-enum Blocks {
-    Local(Vec<BlockSpan>),
-    Swarm {
-        node: NodeHandle,
-        swarm: Box<SwarmArgs>,
-        model: String,
-        /// Hashes of every block, computed once: each answer's sessions check them.
-        expected_blocks: Option<Vec<String>>,
-    },
-}
-
-/// One answer: the output and, for swarm runs, the route and recoveries.
-pub(crate) struct Answer {
-    pub output: GenerateOutput,
-    pub route: Option<(Vec<Hop>, Vec<Recovery>)>,
-}
-
-impl Assistant {
-    /// Opens `args`'s model; blocks run locally, or on the swarm `swarm`
-    /// enters through when it names initial peers.
-    pub async fn open(args: &ModelArgs, local: bool, swarm: &SwarmArgs) -> Result<Self> {
-        if !local && swarm.initial_peers.is_empty() {
-            bail!("pass --initial-peers to run through a swarm, or --local to run the whole model in this process");
-        }
-        let path = args.path()?;
-        let checkpoint = open_checkpoint(&path)?.with_quantized_weights(args.quantized);
-        let tokenizer = TextTokenizer::for_checkpoint(&checkpoint)?;
-        let cfg = checkpoint.config();
-        let template = ChatTemplate::new(
-            checkpoint.chat_template()?.as_deref(),
-            &tokenizer,
-            cfg.bos_token_id,
-            cfg.eos_token_ids.first().copied(),
-        )?;
-        let device = Device::Cpu;
-        let dtype = args.dtype.resolve(cfg, &device);
-        let head = ClientHead::load(&checkpoint, dtype, &device)?;
-        let blocks = if local {
-            let num_layers = cfg.num_hidden_layers;
-            Blocks::Local(vec![BlockSpan::load(
-                &checkpoint,
-                0,
-                num_layers,
-                dtype,
-                &device,
-            )?])
-        } else {
-            let model = swarm
-                .model_name
-                .clone()
-                .unwrap_or_else(|| default_model_name(&checkpoint));
-            Blocks::Swarm {
-                node: connect(&swarm.initial_peers).await?,
-                swarm: Box::new(swarm.clone()),
-                model,
-                expected_blocks: block_hashes(&checkpoint, 0, cfg.num_hidden_layers).ok(),
-            }
-        };
-        Ok(Assistant {
-            checkpoint,
-            tokenizer,
-            template,
-            head,
-            dtype,
-            blocks,
-        })
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// Token ids of a chat prompt for `messages`, ending where the
-    /// assistant's answer begins.
-    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.template.render(messages, true)?;
-        Ok(self.tokenizer.encode_chat(&text)?)
-    }
-
-    pub async fn answer(
-        &self,
-        request: &GenerateRequest,
-        on_token: impl FnMut(u32) -> ControlFlow<()>,
-    ) -> Result<Answer> {
-        request.sampling.validate()?;
-        match &self.blocks {
-            Blocks::Local(spans) => {
-                let mut chain = LocalChain::new(spans, request.max_length().max(1))?;
-                let output = generate(&self.head, &mut chain, request, on_token).await?;
-                Ok(Answer {
-                    output,
-                    route: None,
-                })
-            }
-            Blocks::Swarm {
-                node,
-                swarm,
-                model,
-                expected_blocks,
-            } => {
-                let num_layers = self.checkpoint.config().num_hidden_layers;
-                let mut settings = SessionSettings::new(
-                    model.clone(),
-                    num_layers,
-                    request.max_length().max(1),
-                    wire_dtype(self.dtype)?,
-                );
-                settings.expected_blocks = expected_blocks.clone();
-                settings.timeout = swarm.step_timeout;
-                settings.discovery_timeout = swarm.discovery_timeout;
-                settings.max_retries = swarm.max_retries;
-                settings.allowed_servers = (!swarm.allowed_servers.is_empty())
-                    .then(|| swarm.allowed_servers.iter().cloned().collect());
-                settings.blocked_servers = swarm.blocked_servers.iter().cloned().collect();
-                let answer = generate_remote(node, settings, &self.head, request, on_token).await?;
-                Ok(Answer {
-                    output: answer.output?,
-                    route: Some((answer.route, answer.recoveries)),
-                })
-            }
+impl SwarmArgs {
+    /// The sessions' settings these flags ask for.
+    pub(crate) fn session_settings(&self) -> SessionSettings {
+        SessionSettings {
+            model: self.model_name.clone().unwrap_or_default(),
+            timeout: self.step_timeout,
+            discovery_timeout: self.discovery_timeout,
+            max_retries: self.max_retries,
+            allowed_servers: (!self.allowed_servers.is_empty())
+                .then(|| self.allowed_servers.iter().cloned().collect()),
+            blocked_servers: self.blocked_servers.iter().cloned().collect(),
+            ..SessionSettings::default()
         }
     }
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
     let rt = runtime()?;
-    let assistant = rt.block_on(Assistant::open(&args.model, args.local, &args.swarm))?;
+    let assistant = rt.block_on(open_assistant(&args.model, args.local, &args.swarm))?;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
@@ -417,7 +386,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         messages.push(ChatMessage::user(args.prompt.clone()));
         assistant.chat_prompt(&messages)?
     } else {
-        assistant.tokenizer.encode(&args.prompt)?
+        assistant.tokenizer().encode(&args.prompt)?
     };
     let request = GenerateRequest {
         prompt_ids,
@@ -426,7 +395,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         stop_at_eos: !args.ignore_eos,
     };
 
-    let tokenizer = &assistant.tokenizer;
+    let tokenizer = assistant.tokenizer();
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut print_error = None;
@@ -444,7 +413,15 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         ControlFlow::Continue(())
     };
-    let Answer { output, route } = rt.block_on(assistant.answer(&request, on_token))?;
+    let mut conversation = Conversation::one_shot();
+    let answer = rt.block_on(assistant.answer(&mut conversation, &request, on_token))?;
+    rt.block_on(conversation.close());
+    let Answer {
+        output,
+        route,
+        recoveries,
+        ..
+    } = answer;
     if let Some(e) = print_error {
         return Err(e.into());
     }
@@ -460,8 +437,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             total_seconds: output.total_time.as_secs_f64(),
             stop_reason: output.stop_reason,
             dtype: format!("{:?}", assistant.dtype()).to_lowercase(),
-            route: route.as_ref().map(|(r, _)| r.as_slice()),
-            recoveries: route.as_ref().map(|(_, r)| r.as_slice()),
+            recoveries: route.as_ref().map(|_| recoveries.as_slice()),
+            route: route.as_deref(),
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {

@@ -16,6 +16,12 @@ pub enum ClientError {
         new: usize,
         max: usize,
     },
+    #[error(
+        "the answer needs {needed} positions but the servers accept sessions of at most {max} (their --inference-max-length)"
+    )]
+    SessionTooLong { needed: usize, max: usize },
+    #[error("invalid request: {0}")]
+    BadRequest(String),
     #[error("no server covers blocks {}", format_ranges(.uncovered))]
     NoRoute { uncovered: Vec<(usize, usize)> },
     #[error("network: {0}")]

@@ -71,12 +71,31 @@ pub async fn generate<C: BlockChain>(
     head: &ClientHead,
     chain: &mut C,
     request: &GenerateRequest,
+    on_token: impl FnMut(u32) -> ControlFlow<()>,
+) -> Result<GenerateOutput, ClientError> {
+    generate_after(head, chain, request, 0, on_token).await
+}
+
+/// [`generate`] on a chain whose caches already hold the first `reused`
+/// positions of the prompt (an earlier turn of the conversation): only the
+/// rest of the prompt is sent. `reused` must be below the prompt's length.
+pub async fn generate_after<C: BlockChain>(
+    head: &ClientHead,
+    chain: &mut C,
+    request: &GenerateRequest,
+    reused: usize,
     mut on_token: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<GenerateOutput, ClientError> {
     let started = Instant::now();
     let prompt = &request.prompt_ids;
     if prompt.is_empty() {
         return Err(ClientError::EmptyPrompt);
+    }
+    if reused >= prompt.len() {
+        return Err(ClientError::BadRequest(format!(
+            "cannot reuse {reused} positions of a {}-token prompt",
+            prompt.len()
+        )));
     }
     let max = head.config().max_position_embeddings;
     if request.max_length() > max {
@@ -92,8 +111,8 @@ pub async fn generate<C: BlockChain>(
     let mut generated = Vec::with_capacity(request.max_new_tokens);
     let mut prefill_time = Duration::ZERO;
     let mut stop_reason = StopReason::MaxNewTokens;
-    let mut input = prompt.clone();
-    let mut position = 0;
+    let mut input = prompt[reused..].to_vec();
+    let mut position = reused;
     while generated.len() < request.max_new_tokens {
         let hidden = chain.forward(head.embed(&input)?, position).await?;
         let logits = head.last_logits(&hidden)?;

@@ -1,11 +1,16 @@
 //! The Corolla client: everything between a prompt and generated text.
 //!
+//! Front ends (the `corolla` CLI, `corolla api`, the browser's
+//! `corolla-wasm`) are thin adapters over [`Assistant`], which answers
+//! [`Conversation`]s through this process or a swarm.
+//!
 //! The client keeps the [`corolla_model::ClientHead`] (embeddings, final
 //! norm, LM head) and the sampler; the decoder blocks run behind a
 //! [`BlockChain`]: in this process ([`LocalChain`]) or on servers ([`RemoteChain`]).
 //! The same [`generate`] loop drives both, so a swarm run and a local run
 //! with the same seed produce the same tokens.
 
+pub mod assistant;
 pub mod chain;
 pub mod chat;
 mod error;
@@ -13,8 +18,12 @@ pub mod generate;
 pub mod gguf_tokenizer;
 pub mod local;
 pub mod route;
+pub mod stop;
+pub mod swarm_view;
 pub mod text;
 
+#[cfg(not(target_arch = "wasm32"))]
+pub mod api;
 #[cfg(not(target_arch = "wasm32"))]
 mod chat_cli;
 #[cfg(not(target_arch = "wasm32"))]
@@ -24,12 +33,17 @@ pub mod models;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod network;
 
-pub use chain::{generate_remote, Recovery, RemoteAnswer, RemoteChain, SessionSettings};
+pub use assistant::{Answer, Assistant, Conversation};
+pub use chain::{Recovery, RemoteChain, SessionSettings};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ClientError;
-pub use generate::{generate, BlockChain, GenerateOutput, GenerateRequest, StopReason};
+pub use generate::{
+    generate, generate_after, BlockChain, GenerateOutput, GenerateRequest, StopReason,
+};
 pub use local::LocalChain;
 pub use route::{
     matching_servers, plan_route, plan_route_between, uncovered_blocks, Hop, RouteCosts,
 };
+pub use stop::StopSequences;
+pub use swarm_view::SwarmView;
 pub use text::{TextStream, TextTokenizer};

@@ -6,23 +6,33 @@ use crate::error::ClientError;
 use crate::generate::BlockChain;
 
 /// Spans run in order in this process, each with its own session cache.
-pub struct LocalChain<'a> {
-    stages: Vec<(&'a BlockSpan, SessionCache)>,
+/// (A span is cheap to clone: its weights are shared.)
+pub struct LocalChain {
+    stages: Vec<(BlockSpan, SessionCache)>,
+    capacity: usize,
 }
 
-impl<'a> LocalChain<'a> {
+impl LocalChain {
     /// A session over `spans` (which must cover the model's layers in
     /// order) for up to `max_length` positions.
-    pub fn new(spans: &'a [BlockSpan], max_length: usize) -> Result<Self, ClientError> {
+    pub fn new(spans: &[BlockSpan], max_length: usize) -> Result<Self, ClientError> {
         let stages = spans
             .iter()
-            .map(|span| Ok((span, span.new_cache(max_length)?)))
+            .map(|span| Ok((span.clone(), span.new_cache(max_length)?)))
             .collect::<Result<Vec<_>, ClientError>>()?;
-        Ok(LocalChain { stages })
+        Ok(LocalChain {
+            stages,
+            capacity: max_length,
+        })
+    }
+
+    /// Positions the caches were allocated for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 }
 
-impl BlockChain for LocalChain<'_> {
+impl BlockChain for LocalChain {
     async fn forward(&mut self, hidden: Tensor, start: usize) -> Result<Tensor, ClientError> {
         let mut x = hidden;
         for (span, cache) in &mut self.stages {

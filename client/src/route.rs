@@ -62,8 +62,7 @@ const RTT_WEIGHT_OF_NEW_SAMPLE: f64 = 0.3;
 
 impl RouteCosts {
     pub fn record_rtt(&mut self, peer: &str, seconds: f64) {
-        let avg = self.rtt.entry(peer.to_string()).or_insert(seconds);
-        *avg += RTT_WEIGHT_OF_NEW_SAMPLE * (seconds - *avg);
+        update_rtt_average(&mut self.rtt, peer, seconds);
     }
 
     /// Expected seconds per step for running blocks `start..end` on `r`.
@@ -78,6 +77,12 @@ impl RouteCosts {
         };
         rtt + compute + penalty
     }
+}
+
+/// Folds one round trip into `peer`'s moving average.
+pub fn update_rtt_average(averages: &mut HashMap<String, f64>, peer: &str, seconds: f64) {
+    let avg = averages.entry(peer.to_string()).or_insert(seconds);
+    *avg += RTT_WEIGHT_OF_NEW_SAMPLE * (seconds - *avg);
 }
 
 /// The fewest hops covering `0..num_layers`, costs unknown.

@@ -159,6 +159,31 @@ impl TensorPayload {
             data: &self.data,
         }
     }
+
+    /// Keeps the first `len` entries along axis 1 (positions, for hidden
+    /// states `[1, T, H]`); a no-op when there are no more than that.
+    pub fn truncate_axis1(&mut self, len: usize) {
+        let Some(&t) = self.shape.get(1) else {
+            return;
+        };
+        if len >= t {
+            return;
+        }
+        let row: usize = self.shape[2..].iter().product::<usize>() * self.dtype.size_in_bytes();
+        let outer = self.shape[0];
+        if outer == 1 {
+            self.data.truncate(len * row);
+        } else {
+            let data = self
+                .data
+                .chunks(t * row)
+                .flat_map(|chunk| &chunk[..len * row])
+                .copied()
+                .collect();
+            self.data = data;
+        }
+        self.shape[1] = len;
+    }
 }
 
 fn encoded_len(rank: usize, data_len: usize) -> usize {
@@ -329,6 +354,25 @@ mod tests {
             .prop_map(|(dtype, shape, data)| {
                 TensorPayload::new(dtype, shape, data).expect("strategy builds consistent payloads")
             })
+    }
+
+    #[test]
+    fn truncating_positions_keeps_each_batch_rows_prefix() {
+        // [2, 3, 2] of f16 (2 bytes each): rows of 4 bytes.
+        let data: Vec<u8> = (0..24).collect();
+        let mut p = TensorPayload::new(WireDType::F16, vec![2, 3, 2], data).unwrap();
+        p.truncate_axis1(2);
+        assert_eq!(p.shape, vec![2, 2, 2]);
+        let expected: Vec<u8> = (0..8).chain(12..20).collect();
+        assert_eq!(p.data, expected);
+        let mut single = TensorPayload::new(WireDType::F32, vec![1, 3, 1], vec![7; 12]).unwrap();
+        single.truncate_axis1(5);
+        assert_eq!(single.shape, vec![1, 3, 1]);
+        single.truncate_axis1(1);
+        assert_eq!(
+            (single.shape.clone(), single.data.len()),
+            (vec![1, 1, 1], 4)
+        );
     }
 
     proptest! {

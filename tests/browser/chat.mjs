@@ -29,6 +29,10 @@ const { values: args } = parseArgs({
     // After the answers, reload the page and count the model files it fetches again.
     'reload-check': { type: 'boolean', default: false },
     chromium: { type: 'string', default: process.env.CHROMIUM || '/usr/bin/chromium' },
+    // Console errors matching this pattern are expected (a test that kills a
+    // server may see the browser log the dropped connection); any other
+    // console error or uncaught page error fails the run.
+    'allow-console-error': { type: 'string' },
   },
 });
 if (!args.url || !args.prompt) {
@@ -58,14 +62,25 @@ const context = await chromium.launchPersistentContext(profile, {
   ],
 });
 let failed = false;
+// Uncaught page errors and console errors: each one fails the run.
+const pageErrors = [];
+const allowed = args['allow-console-error'] ? new RegExp(args['allow-console-error']) : null;
 try {
   // Secure origins only (https, localhost); the flag above covers the rest.
   await context
     .grantPermissions(['camera', 'microphone'], { origin: new URL(args.url).origin })
     .catch(() => {});
   const page = await context.newPage();
-  page.on('console', (m) => console.error(`[page ${m.type()}] ${m.text()}`));
-  page.on('pageerror', (e) => console.error(`[page error] ${e.message}`));
+  page.on('console', (m) => {
+    console.error(`[page ${m.type()}] ${m.text()}`);
+    if (m.type() === 'error' && !(allowed && allowed.test(m.text()))) {
+      pageErrors.push(`console error: ${m.text()}`);
+    }
+  });
+  page.on('pageerror', (e) => {
+    console.error(`[page error] ${e.message}`);
+    pageErrors.push(`uncaught: ${e.message}`);
+  });
   await page.exposeFunction('__corollaReport', (event) => emit(event));
   await page.goto(args.url);
 
@@ -150,5 +165,9 @@ try {
 } finally {
   await context.close();
   rmSync(profile, { recursive: true, force: true });
+}
+if (pageErrors.length > 0) {
+  failed = true;
+  emit({ event: 'page_errors', errors: pageErrors });
 }
 process.exit(failed ? 1 : 0);

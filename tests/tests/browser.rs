@@ -133,6 +133,9 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
     let first_turn = ids(&answer["prompt_ids"]);
     assert!(ids(&answers[1]["prompt_ids"]).len() > first_turn.len() + 1);
     assert!(!ids(&answers[1]["generated_ids"]).is_empty());
+    // ... and the servers already held most of it: only the new turn was sent.
+    let reused = answers[1]["reused_tokens"].as_u64().expect("reused_tokens");
+    assert!(reused >= first_turn.len() as u64, "{}", answers[1]);
     // Stop ends the answer early.
     assert_eq!(answers[2]["stop_reason"], "cancelled", "{}", answers[2]);
     let stopped = ids(&answers[2]["generated_ids"]).len();

@@ -59,10 +59,45 @@ async fn start(model: &str, blocks: String, join: Option<String>) -> RunningServ
         .expect("server")
 }
 
+/// Replaces (or appends) the section headed `heading` in the report at `path`.
+fn write_section(path: &str, heading: &str, section: &str) -> anyhow::Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_else(|_| "# Benchmarks\n\n".into());
+    let new = match old.find(heading) {
+        Some(start) => {
+            let rest = &old[start + heading.len()..];
+            let end = rest
+                .find("\n## ")
+                .or_else(|| rest.find("\nNotes:"))
+                .map_or(old.len(), |i| start + heading.len() + i + 1);
+            format!("{}{section}\n{}", &old[..start], &old[end..])
+        }
+        None => format!("{}\n{section}", old.trim_end()),
+    };
+    std::fs::write(path, new)?;
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "2");
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let write_to = args
+        .iter()
+        .position(|a| a == "--write")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    if args.iter().any(|a| a == "--only-chat") {
+        // One section alone, written into the existing report.
+        let path = corolla_tests::default_model()
+            .ok_or_else(|| anyhow::anyhow!("the chat benchmark needs the default model"))?;
+        let section = bench_chat_turns(&path, arg("--rounds", 3)).await?;
+        println!("{section}");
+        if let Some(file) = write_to {
+            write_section(&file, CHAT_HEADING, &section)?;
+        }
+        return Ok(());
     }
     let rounds = arg("--rounds", 5);
     let new_tokens = arg("--new-tokens", 128);
@@ -196,20 +231,19 @@ async fn main() -> anyhow::Result<()> {
             "## Default model\n\nSkipped: the default model is not fetched (`corolla fetch-model`).\n",
         ),
     };
+    let chat = match corolla_tests::default_model() {
+        Some(path) => bench_chat_turns(&path, rounds.min(3)).await?,
+        None => format!("{CHAT_HEADING}\n\nSkipped: the default model is not fetched.\n"),
+    };
     let browser = match corolla_tests::default_model() {
         Some(path) => {
             tokio::task::spawn_blocking(move || bench_browser(&path, rounds.min(3))).await?
         }
         None => String::from("## Browser\n\nSkipped: the default model is not fetched.\n"),
     };
-    let report = format!("{report}\n{recovery}\n{default_model}\n{browser}");
+    let report = format!("{report}\n{recovery}\n{default_model}\n{chat}\n{browser}");
     println!("{report}");
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(path) = args
-        .iter()
-        .position(|a| a == "--write")
-        .and_then(|i| args.get(i + 1))
-    {
+    if let Some(path) = write_to {
         std::fs::write(path, format!("# Benchmarks\n\nLatest figures; ratios matter, absolute numbers vary with machine load.\n\n{report}\n{NOTES}\n"))?;
     }
     Ok(())
@@ -476,4 +510,112 @@ fn bench_browser(model: &std::path::Path, rounds: usize) -> String {
          | transport | native tokens/s | browser tokens/s | browser / native (target >= 0.8) |\n|---|---|---|---|\n{rows}"
     ));
     out
+}
+
+const CHAT_HEADING: &str = "## Chat turns: time to first token";
+
+/// A six-turn chat on `corolla demo`'s layout whose history grows by ~100
+/// tokens a turn (a ~60-token message, a 40-token answer): time to the
+/// first token of each turn through one conversation (only new tokens are
+/// sent) and through a new conversation per turn (the whole history again).
+async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Result<String> {
+    use corolla_client::{Assistant, ChatMessage, Conversation};
+    use corolla_model::QuantizedWeights;
+    const TURNS: usize = 6;
+    const ANSWER: usize = 40;
+    let ck = Checkpoint::open(path)?.with_quantized_weights(QuantizedWeights::Auto);
+    let layers = ck.config().num_hidden_layers;
+    let model = path.to_string_lossy().into_owned();
+    let first = start(&model, format!("0:{}", layers / 3), None).await;
+    let bootstrap = first.tcp_addr().expect("tcp").to_string();
+    let second = start(
+        &model,
+        format!("{}:{}", layers / 3, 2 * layers / 3),
+        Some(bootstrap.clone()),
+    )
+    .await;
+    let third = start(
+        &model,
+        format!("{}:{layers}", 2 * layers / 3),
+        Some(bootstrap.clone()),
+    )
+    .await;
+    let node = connect(&[bootstrap.parse()?]).await?;
+    let assistant = Assistant::swarm(&ck, DType::F32, node, SessionSettings::default())?;
+    let message = |turn: usize| {
+        ChatMessage::user(format!(
+            "Question {turn}: I am planning a long walk along the coast next weekend, with friends who \
+             like birds, old lighthouses and small harbours. What should we pack, which time of day is \
+             best for the light, and what should we look out for on the way?"
+        ))
+    };
+    // (reuse?, turn) -> time to first token, per round.
+    let mut ttft = vec![vec![Vec::new(); TURNS]; 2];
+    let mut history_len = [0; TURNS];
+    for round in 0..rounds + 1 {
+        for (mode, reuse) in [(0, true), (1, false)] {
+            let mut conversation = Conversation::new();
+            let mut messages = Vec::new();
+            for turn in 0..TURNS {
+                messages.push(message(turn));
+                let request = GenerateRequest {
+                    prompt_ids: assistant.chat_prompt(&messages)?,
+                    max_new_tokens: ANSWER,
+                    sampling: SamplingParams::greedy(),
+                    stop_at_eos: false,
+                };
+                history_len[turn] = request.prompt_ids.len();
+                if !reuse {
+                    std::mem::take(&mut conversation).close().await;
+                }
+                let started = std::time::Instant::now();
+                let mut first_token = None;
+                let answer = assistant
+                    .answer(&mut conversation, &request, |_| {
+                        first_token.get_or_insert_with(|| started.elapsed());
+                        std::ops::ControlFlow::Continue(())
+                    })
+                    .await?;
+                if reuse && turn > 0 {
+                    anyhow::ensure!(answer.reused_tokens > 0, "turn {turn} reused nothing");
+                }
+                let text = assistant.tokenizer().decode(&answer.output.generated_ids)?;
+                messages.push(ChatMessage::assistant(text.trim().to_string()));
+                if round > 0 {
+                    ttft[mode][turn].push(first_token.unwrap_or_default().as_secs_f64() * 1e3);
+                }
+            }
+            conversation.close().await;
+        }
+        eprintln!("chat round {round} done");
+    }
+    drop((first, second, third));
+    let med: Vec<Vec<f64>> = ttft
+        .into_iter()
+        .map(|turns| turns.into_iter().map(median).collect())
+        .collect();
+    let mut rows = String::new();
+    for turn in 0..TURNS {
+        rows.push_str(&format!(
+            "| {} | {} | {:.0} | {:.0} |\n",
+            turn + 1,
+            history_len[turn],
+            med[0][turn],
+            med[1][turn]
+        ));
+    }
+    Ok(format!(
+        "{CHAT_HEADING}\n\n\
+         Command: `corolla-bench --only-chat --rounds {rounds} --write BENCHMARKS.md` (also part of `bash scripts/bench.sh`).\n\n\
+         SmolLM2-135M-Instruct in `corolla demo`'s layout (three servers of 10 blocks on loopback, in the benchmark's \
+         process); a {TURNS}-turn chat whose history grows by ~100 tokens a turn (a ~60-token message and a \
+         {ANSWER}-token greedy answer); time from asking to the first token, medians of {rounds} rounds after a warm-up. \
+         One conversation keeps its server sessions and sends only the new tokens; the other opens new sessions \
+         and sends the whole history every turn (what every answer did before).\n\n\
+         | turn | prompt tokens | one conversation (ms) | new sessions each turn (ms) |\n|---|---|---|---|\n{rows}\n\
+         - turn {TURNS} / turn 1, one conversation: **{:.2}** (target <= 1.2)\n\
+         - turn {TURNS} / turn 1, new sessions each turn: {:.2}\n",
+        med[0][TURNS - 1] / med[0][0],
+        med[1][TURNS - 1] / med[1][0],
+    ))
 }

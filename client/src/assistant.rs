@@ -1,0 +1,380 @@
+//! The client core behind every front end (the CLI, the terminal chat, the
+//! page and the OpenAI-compatible API): a model's client part opened once
+//! (tokenizer, chat template, head), the place its blocks run (this process,
+//! or a swarm seen through one long-lived [`SwarmView`]), and
+//! [`Conversation`]s whose chains outlive a turn, so that a follow-up sends
+//! only the tokens that are new since the previous one.
+
+use std::ops::ControlFlow;
+
+use corolla_model::fingerprint::{block_hashes, default_model_name};
+use corolla_model::wire::wire_dtype;
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device};
+use corolla_shared::node::NodeHandle;
+
+use crate::chain::{Recovery, RemoteChain, SessionSettings};
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::error::ClientError;
+use crate::generate::{generate_after, GenerateOutput, GenerateRequest};
+use crate::local::LocalChain;
+use crate::route::Hop;
+use crate::swarm_view::SwarmView;
+use crate::text::TextTokenizer;
+
+/// Positions a conversation's sessions reserve when they open, so that
+/// follow-ups fit without reopening (bounded by what the model and the
+/// servers allow, and never less than the request needs).
+pub const CONVERSATION_LENGTH: usize = 2048;
+
+/// Where the decoder blocks run.
+enum Blocks {
+    Local(Vec<BlockSpan>),
+    Swarm {
+        view: SwarmView,
+        /// Every session's settings but its length.
+        sessions: Box<SessionSettings>,
+    },
+}
+
+/// What a client holds of a model: tokenizer, chat template and head
+/// (embeddings, final norm, LM head).
+pub struct ClientPart {
+    /// The model's name, from the checkpoint.
+    pub model: String,
+    pub tokenizer: TextTokenizer,
+    pub template: ChatTemplate,
+    pub head: ClientHead,
+}
+
+impl ClientPart {
+    pub fn load(checkpoint: &Checkpoint, dtype: DType) -> Result<Self, ClientError> {
+        let tokenizer = TextTokenizer::for_checkpoint(checkpoint)?;
+        let cfg = checkpoint.config();
+        let template = ChatTemplate::new(
+            checkpoint.chat_template()?.as_deref(),
+            &tokenizer,
+            cfg.bos_token_id,
+            cfg.eos_token_ids.first().copied(),
+        )?;
+        let head = ClientHead::load(checkpoint, dtype, &Device::Cpu)?;
+        Ok(ClientPart {
+            model: default_model_name(checkpoint),
+            tokenizer,
+            template,
+            head,
+        })
+    }
+}
+
+/// A model opened on the client side, and where its blocks run.
+pub struct Assistant {
+    part: ClientPart,
+    blocks: Blocks,
+}
+
+/// One answer: the output, how many prompt positions came from the
+/// conversation's caches, and through a swarm the route that finished it
+/// and the failures it survived.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub output: GenerateOutput,
+    pub reused_tokens: usize,
+    pub route: Option<Vec<Hop>>,
+    pub recoveries: Vec<Recovery>,
+}
+
+enum Chain {
+    Local(LocalChain),
+    Remote(Box<RemoteChain>),
+}
+
+impl Chain {
+    fn capacity(&self) -> usize {
+        match self {
+            Chain::Local(c) => c.capacity(),
+            Chain::Remote(c) => c.capacity(),
+        }
+    }
+
+    async fn close(self) {
+        if let Chain::Remote(c) = self {
+            c.close().await;
+        }
+    }
+}
+
+/// A conversation's chain and the tokens whose positions its caches hold.
+/// Answers given through the same conversation reuse the longest common
+/// prefix of those tokens and the new prompt; an edited or regenerated
+/// message rewinds to where the prompts diverge.
+pub struct Conversation {
+    chain: Option<Chain>,
+    cached: Vec<u32>,
+    reserve: usize,
+}
+
+impl Default for Conversation {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Conversation {
+    /// A conversation whose sessions reserve [`CONVERSATION_LENGTH`] positions.
+    pub fn new() -> Self {
+        Conversation {
+            chain: None,
+            cached: Vec::new(),
+            reserve: CONVERSATION_LENGTH,
+        }
+    }
+
+    /// For a single answer: sessions reserve exactly what it needs.
+    pub fn one_shot() -> Self {
+        Conversation {
+            reserve: 0,
+            ..Self::new()
+        }
+    }
+
+    /// The tokens the open sessions hold, position by position.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.cached
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.chain.is_some()
+    }
+
+    /// Keeps the servers' sessions of an idle conversation open (see
+    /// [`RemoteChain::keep_alive`]); a front end calls it every minute or so
+    /// while the conversation is on screen. On a failure the chain is closed
+    /// and the next answer opens a new one.
+    pub async fn keep_alive(&mut self) {
+        if let Some(Chain::Remote(chain)) = &mut self.chain {
+            if let Err(e) = chain.keep_alive().await {
+                tracing::debug!(error = %e, "keep-alive failed; the next answer reopens");
+                self.reset().await;
+            }
+        }
+    }
+
+    /// Ends the sessions politely (servers free their caches at once).
+    pub async fn close(mut self) {
+        self.reset().await;
+    }
+
+    async fn reset(&mut self) {
+        self.cached.clear();
+        if let Some(chain) = self.chain.take() {
+            chain.close().await;
+        }
+    }
+}
+
+/// Length of the longest common prefix of `a` and `b`.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Assistant {
+    /// Runs every block of `checkpoint` in this process, in `dtype`.
+    pub fn local(checkpoint: &Checkpoint, dtype: DType) -> Result<Self, ClientError> {
+        let layers = checkpoint.config().num_hidden_layers;
+        let span = BlockSpan::load(checkpoint, 0, layers, dtype, &Device::Cpu)?;
+        Ok(Assistant {
+            part: ClientPart::load(checkpoint, dtype)?,
+            blocks: Blocks::Local(vec![span]),
+        })
+    }
+
+    /// Runs the blocks on the swarm `node` is part of; servers must hold
+    /// the blocks of `checkpoint` (their hashes are checked).
+    pub fn swarm(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        node: NodeHandle,
+        mut sessions: SessionSettings,
+    ) -> Result<Self, ClientError> {
+        if sessions.expected_blocks.is_none() {
+            let layers = checkpoint.config().num_hidden_layers;
+            sessions.expected_blocks = block_hashes(checkpoint, 0, layers).ok();
+        }
+        Self::on_swarm(ClientPart::load(checkpoint, dtype)?, node, sessions)
+    }
+
+    /// Runs `part`'s blocks on the swarm `node` is part of. `sessions` says
+    /// how (timeouts, retries, allowed servers, flow control); its model
+    /// name defaults to the part's, and the layer count and dtype are
+    /// filled in here.
+    pub fn on_swarm(
+        part: ClientPart,
+        node: NodeHandle,
+        mut sessions: SessionSettings,
+    ) -> Result<Self, ClientError> {
+        if sessions.model.is_empty() {
+            sessions.model = part.model.clone();
+        }
+        sessions.num_layers = part.head.config().num_hidden_layers;
+        sessions.dtype = wire_dtype(part.head.dtype())?;
+        let view = SwarmView::new(node, &sessions);
+        Ok(Assistant {
+            part,
+            blocks: Blocks::Swarm {
+                view,
+                sessions: Box::new(sessions),
+            },
+        })
+    }
+
+    /// Gives the client part back (to join another swarm, say).
+    pub fn into_part(self) -> ClientPart {
+        self.part
+    }
+
+    /// The model's name (in the DHT, for a swarm).
+    pub fn model(&self) -> &str {
+        match &self.blocks {
+            Blocks::Swarm { sessions, .. } => &sessions.model,
+            Blocks::Local(_) => &self.part.model,
+        }
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.part.tokenizer
+    }
+
+    pub fn template(&self) -> &ChatTemplate {
+        &self.part.template
+    }
+
+    pub fn head(&self) -> &ClientHead {
+        &self.part.head
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.part.head.dtype()
+    }
+
+    /// The swarm view, for a swarm.
+    pub fn swarm_view(&self) -> Option<&SwarmView> {
+        match &self.blocks {
+            Blocks::Swarm { view, .. } => Some(view),
+            Blocks::Local(_) => None,
+        }
+    }
+
+    /// Token ids of a chat prompt for `messages`, ending where the
+    /// assistant's answer begins.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ClientError> {
+        let text = self.part.template.render(messages, true)?;
+        self.part.tokenizer.encode_chat(&text)
+    }
+
+    /// The most positions (prompt and answer) one conversation can have:
+    /// the model's, and through a swarm also the servers' (as far as the
+    /// view knows them).
+    pub fn max_positions(&self) -> usize {
+        let model = self.part.head.config().max_position_embeddings;
+        match &self.blocks {
+            Blocks::Local(_) => model,
+            Blocks::Swarm { view, sessions } => view
+                .max_session_length(sessions.num_layers)
+                .map_or(model, |servers| servers.min(model)),
+        }
+    }
+
+    /// Answers `request` through `conversation`: its open sessions keep the
+    /// positions the prompt shares with what they hold, and only the rest is
+    /// sent. `on_token` sees each token as it is sampled and may stop the
+    /// answer. After a failure the conversation's chain is closed (the next
+    /// answer opens a new one).
+    pub async fn answer(
+        &self,
+        conversation: &mut Conversation,
+        request: &GenerateRequest,
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Answer, ClientError> {
+        request.sampling.validate()?;
+        let prompt = &request.prompt_ids;
+        if prompt.is_empty() {
+            return Err(ClientError::EmptyPrompt);
+        }
+        let needed = request.max_length().max(1);
+        let mut reused = common_prefix(&conversation.cached, prompt).min(prompt.len() - 1);
+        let mut chain = match conversation.chain.take() {
+            Some(chain) if chain.capacity() >= needed => chain,
+            old => {
+                if let Some(old) = old {
+                    old.close().await;
+                }
+                reused = 0;
+                self.open_chain(needed, conversation.reserve).await?
+            }
+        };
+        conversation.cached.clear();
+        let result = match &mut chain {
+            Chain::Local(local) => {
+                generate_after(&self.part.head, local, request, reused, on_token)
+                    .await
+                    .map(|out| (out, None, Vec::new()))
+            }
+            Chain::Remote(remote) => {
+                remote.rewind(reused);
+                let out =
+                    generate_after(&self.part.head, remote.as_mut(), request, reused, on_token)
+                        .await;
+                out.map(|out| (out, Some(remote.route()), remote.take_recoveries()))
+            }
+        };
+        match result {
+            Ok((output, route, recoveries)) => {
+                // The last token sampled was never fed back.
+                let fed = output.generated_ids.len().saturating_sub(1);
+                conversation.cached = prompt.clone();
+                conversation
+                    .cached
+                    .extend_from_slice(&output.generated_ids[..fed]);
+                conversation.chain = Some(chain);
+                Ok(Answer {
+                    output,
+                    reused_tokens: reused,
+                    route,
+                    recoveries,
+                })
+            }
+            Err(e) => {
+                chain.close().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// A chain with room for `needed` positions, and up to `reserve` when
+    /// the model and the servers allow.
+    async fn open_chain(&self, needed: usize, reserve: usize) -> Result<Chain, ClientError> {
+        let model_max = self.part.head.config().max_position_embeddings;
+        match &self.blocks {
+            Blocks::Local(spans) => Ok(Chain::Local(LocalChain::new(
+                spans,
+                needed.max(reserve.min(model_max)),
+            )?)),
+            Blocks::Swarm { view, sessions } => {
+                view.ensure_fresh().await;
+                let length = match view.max_session_length(sessions.num_layers) {
+                    Some(max) if needed > max => {
+                        return Err(ClientError::SessionTooLong { needed, max });
+                    }
+                    Some(max) => needed.max(reserve.min(max).min(model_max)),
+                    // Nothing covers every block yet: the chain waits for servers.
+                    None => needed,
+                };
+                let mut settings = SessionSettings::clone(sessions);
+                settings.max_length = length;
+                let chain =
+                    RemoteChain::connect_via(view, settings, self.part.head.device()).await?;
+                Ok(Chain::Remote(Box::new(chain)))
+            }
+        }
+    }
+}

@@ -1,0 +1,300 @@
+//! A client's long-lived view of the swarm: the servers of its model and
+//! their records, moving averages of their round trips, and the servers it
+//! banned with their backoff. Every chain of a client routes from one view,
+//! so an answer neither waits for a DHT lookup nor forgets which servers
+//! failed; lookups refresh the view in the background and after failures.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use corolla_shared::node::NodeHandle;
+use corolla_shared::session::fetch_info;
+use corolla_shared::ServerRecord;
+use libp2p::PeerId;
+use web_time::Instant;
+
+use crate::chain::SessionSettings;
+use crate::error::ClientError;
+use crate::route::{
+    matching_servers, plan_route_between, uncovered_blocks, update_rtt_average, Hop, RouteCosts,
+};
+
+/// A lookup older than this is refreshed in the background at the next use.
+const REFRESH_PERIOD: Duration = Duration::from_secs(30);
+/// How long one DHT lookup may take.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the info-protocol round trip of one server may take.
+const PING_TIMEOUT: Duration = Duration::from_secs(2);
+/// Round trip recorded for a server that did not answer the ping.
+const UNREACHABLE_RTT: f64 = 1.0;
+/// Candidates whose round trip is measured at each lookup.
+const MAX_PINGED: usize = 16;
+/// The first ban lasts `2 × BAN_BASE`; each further failure doubles it.
+const BAN_BASE: Duration = Duration::from_secs(2);
+const BAN_MAX: Duration = Duration::from_secs(300);
+
+/// Which servers of which model a client uses (from [`SessionSettings`]).
+#[derive(Debug, Clone)]
+struct Filter {
+    model: String,
+    expected_blocks: Option<Vec<String>>,
+    allowed: Option<HashSet<String>>,
+    blocked: HashSet<String>,
+}
+
+impl Filter {
+    fn admits(&self, peer: &str) -> bool {
+        !self.blocked.contains(peer) && self.allowed.as_ref().is_none_or(|a| a.contains(peer))
+    }
+}
+
+#[derive(Debug, Default)]
+struct ViewState {
+    /// Servers of the model whose weights match, as the last lookup found them.
+    records: Vec<ServerRecord>,
+    refreshed_at: Option<Instant>,
+    /// Moving averages of round trips, in seconds, by peer id.
+    rtt: HashMap<String, f64>,
+    /// Peer id -> (failures so far, banned until).
+    bans: HashMap<String, (u32, Instant)>,
+    refreshing: bool,
+}
+
+impl ViewState {
+    fn banned(&self, peer: &str) -> bool {
+        self.bans
+            .get(peer)
+            .is_some_and(|(_, until)| Instant::now() < *until)
+    }
+}
+
+struct Shared {
+    node: NodeHandle,
+    filter: Filter,
+    state: Mutex<ViewState>,
+}
+
+/// Cheap to clone: clones share one view.
+#[derive(Clone)]
+pub struct SwarmView {
+    shared: Arc<Shared>,
+}
+
+impl SwarmView {
+    /// An empty view of `settings.model`'s servers, as `settings` filters
+    /// them (expected block hashes, allowed and blocked servers).
+    pub fn new(node: NodeHandle, settings: &SessionSettings) -> Self {
+        SwarmView {
+            shared: Arc::new(Shared {
+                node,
+                filter: Filter {
+                    model: settings.model.clone(),
+                    expected_blocks: settings.expected_blocks.clone(),
+                    allowed: settings.allowed_servers.clone(),
+                    blocked: settings.blocked_servers.clone(),
+                },
+                state: Mutex::new(ViewState::default()),
+            }),
+        }
+    }
+
+    pub fn node(&self) -> &NodeHandle {
+        &self.shared.node
+    }
+
+    pub fn model(&self) -> &str {
+        &self.shared.filter.model
+    }
+
+    fn state(&self) -> MutexGuard<'_, ViewState> {
+        // A panic while the lock was held leaves plain data behind: keep using it.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Looks the model's servers up in the DHT and measures the round trip
+    /// of (up to [`MAX_PINGED`] of) those the client may use.
+    pub async fn refresh(&self) {
+        let filter = &self.shared.filter;
+        let found = self
+            .shared
+            .node
+            .discover(&filter.model, LOOKUP_TIMEOUT)
+            .await;
+        let found = match found {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::debug!(error = %e, "lookup failed; keeping the servers known");
+                self.state().refreshing = false;
+                return;
+            }
+        };
+        let records = matching_servers(found, filter.expected_blocks.as_deref());
+        let candidates: Vec<ServerRecord> = {
+            let state = self.state();
+            records
+                .iter()
+                .filter(|r| filter.admits(&r.peer_id) && !state.banned(&r.peer_id))
+                .take(MAX_PINGED)
+                .cloned()
+                .collect()
+        };
+        let rtts = self.ping(&candidates).await;
+        let mut state = self.state();
+        for (peer, rtt) in rtts {
+            update_rtt_average(&mut state.rtt, &peer, rtt.unwrap_or(UNREACHABLE_RTT));
+        }
+        tracing::debug!(servers = records.len(), "swarm view refreshed");
+        state.records = records;
+        state.refreshed_at = Some(Instant::now());
+        state.refreshing = false;
+    }
+
+    async fn ping(&self, records: &[ServerRecord]) -> Vec<(String, Option<f64>)> {
+        let pings = records.iter().filter_map(|r| {
+            let peer: PeerId = r.peer_id.parse().ok()?;
+            let mut control = self.shared.node.control();
+            Some(async move {
+                let started = Instant::now();
+                let ok = fetch_info(&mut control, peer, PING_TIMEOUT).await.is_ok();
+                (
+                    peer.to_string(),
+                    ok.then(|| started.elapsed().as_secs_f64()),
+                )
+            })
+        });
+        futures::future::join_all(pings).await
+    }
+
+    /// Starts a lookup without waiting for it, unless one is running.
+    pub fn refresh_in_background(&self) {
+        {
+            let mut state = self.state();
+            if state.refreshing {
+                return;
+            }
+            state.refreshing = true;
+        }
+        let view = self.clone();
+        spawn(async move { view.refresh().await });
+    }
+
+    /// Refreshes in the background when the last lookup is older than
+    /// [`REFRESH_PERIOD`]; looks up now when there has been none.
+    pub async fn ensure_fresh(&self) {
+        let refreshed_at = self.state().refreshed_at;
+        match refreshed_at {
+            None => self.refresh().await,
+            Some(at) if at.elapsed() > REFRESH_PERIOD => self.refresh_in_background(),
+            Some(_) => {}
+        }
+    }
+
+    /// The servers this client may use now: known, admitted, not banned.
+    pub fn usable_servers(&self) -> Vec<ServerRecord> {
+        let state = self.state();
+        state
+            .records
+            .iter()
+            .filter(|r| self.shared.filter.admits(&r.peer_id) && !state.banned(&r.peer_id))
+            .cloned()
+            .collect()
+    }
+
+    /// The longest session (in positions) that usable servers of every block
+    /// in `0..num_layers` accept, or `None` while some block is uncovered.
+    pub fn max_session_length(&self, num_layers: usize) -> Option<usize> {
+        let servers = self.usable_servers();
+        (0..num_layers)
+            .map(|block| {
+                servers
+                    .iter()
+                    .filter(|r| (r.start as usize..r.end as usize).contains(&block))
+                    .map(|r| r.max_length as usize)
+                    .max()
+            })
+            .try_fold(usize::MAX, |min, longest| Some(min.min(longest?)))
+    }
+
+    /// Blocks of `0..num_layers` no usable server covers.
+    pub fn uncovered(&self, num_layers: usize) -> Vec<(usize, usize)> {
+        uncovered_blocks(&self.usable_servers(), num_layers)
+    }
+
+    /// The least-latency chain for blocks `from..to` with room for
+    /// `max_length` positions. Plans from the view first; when that does not
+    /// cover the blocks, looks the swarm up again until `patience` is over.
+    pub async fn route(
+        &self,
+        from: usize,
+        to: usize,
+        max_length: usize,
+        patience: Duration,
+    ) -> Result<Vec<Hop>, ClientError> {
+        let deadline = Instant::now() + patience;
+        let mut just_refreshed = false;
+        if self.state().refreshed_at.is_none() {
+            self.refresh().await;
+            just_refreshed = true;
+        }
+        loop {
+            let costs = RouteCosts {
+                rtt: self.state().rtt.clone(),
+                max_length,
+            };
+            match plan_route_between(&self.usable_servers(), from, to, &costs) {
+                Ok(route) => return Ok(route),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                // What the view knows does not do: look the swarm up now.
+                Err(_) if !just_refreshed => {
+                    self.refresh().await;
+                    just_refreshed = true;
+                }
+                Err(_) => {
+                    corolla_shared::node::sleep(Duration::from_millis(300)).await;
+                    just_refreshed = false;
+                }
+            }
+        }
+    }
+
+    /// Bans `peer` with exponential backoff (4 s, 8 s, … at most 5 min) and
+    /// refreshes the view in the background: it may have left the swarm.
+    pub fn ban(&self, peer: &str) {
+        {
+            let mut state = self.state();
+            let entry = state
+                .bans
+                .entry(peer.to_string())
+                .or_insert((0, Instant::now()));
+            entry.0 += 1;
+            let backoff = BAN_BASE.saturating_mul(1 << entry.0.min(8)).min(BAN_MAX);
+            entry.1 = Instant::now() + backoff;
+            tracing::debug!(%peer, ?backoff, "server banned");
+        }
+        self.refresh_in_background();
+    }
+
+    pub fn is_banned(&self, peer: &str) -> bool {
+        self.state().banned(peer)
+    }
+}
+
+/// Runs `fut` on the runtime of the platform, without waiting for it.
+#[cfg(not(target_arch = "wasm32"))]
+fn spawn(fut: impl std::future::Future<Output = ()> + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(fut);
+        }
+        Err(_) => tracing::debug!("no runtime to refresh the swarm view on"),
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+fn spawn(fut: impl std::future::Future<Output = ()> + 'static) {
+    wasm_bindgen_futures::spawn_local(fut);
+}

@@ -1,0 +1,325 @@
+//! `corolla api` on a loopback swarm of the default model, driven by the
+//! official `openai` Python package (a venv that `scripts/test.sh` makes
+//! outside the clone) and by `curl -N`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use corolla_tests::{corolla_bin, default_model, start_model_server};
+use serde_json::Value;
+
+const FRANCE: &str = "What is the capital of France?";
+const KEY: &str = "test-key";
+
+/// The venv's python with `openai` installed: `COROLLA_OPENAI_PYTHON`, else
+/// the cache's. Missing, the test fails when `COROLLA_REQUIRE_OPENAI` is set
+/// (as `scripts/test.sh` does) and is skipped loudly otherwise.
+fn openai_python() -> Option<PathBuf> {
+    let python = std::env::var_os("COROLLA_OPENAI_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("COROLLA_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/corolla")
+                });
+            cache.join("openai-venv/bin/python")
+        });
+    if python.is_file() {
+        return Some(python);
+    }
+    assert!(
+        std::env::var_os("COROLLA_REQUIRE_OPENAI").is_none(),
+        "no python with the openai package at {}",
+        python.display()
+    );
+    eprintln!(
+        "SKIPPED: no python with the openai package at {}",
+        python.display()
+    );
+    None
+}
+
+/// A `corolla api` process, killed when dropped.
+struct Api {
+    child: Child,
+    base: String,
+}
+
+impl Api {
+    fn start(args: &[&str]) -> Api {
+        let mut child = Command::new(corolla_bin())
+            .arg("api")
+            .args(args)
+            .args(["--port", "0", "--api-key", KEY, "--discovery-timeout", "5"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run corolla api");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[api] {line}");
+                if let Some(url) = line
+                    .strip_prefix("OpenAI-compatible API: ")
+                    .and_then(|rest| rest.split_whitespace().next())
+                {
+                    let _ = tx.send(url.to_string());
+                }
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("corolla api prints its address");
+        Api { child, base }
+    }
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run_check(python: &Path, api: &Api, model: &str, mode: &str) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("api/openai_check.py");
+    let out = Command::new(python)
+        .arg(script)
+        .args(["--base-url", &api.base, "--api-key", KEY, "--model", model])
+        .args(["--prompt", FRANCE, "--mode", mode])
+        .output()
+        .expect("run the openai check");
+    assert!(
+        out.status.success(),
+        "openai check failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the check prints JSON")
+}
+
+fn generate_json(model: &Path, args: &[&str]) -> Value {
+    let out = Command::new(corolla_bin())
+        .args(["generate", "--model", model.to_str().unwrap(), "--json"])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run corolla generate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing: {text}"))
+}
+
+fn error_code(v: &Value) -> &str {
+    v["body"]["error"]["code"]
+        .as_str()
+        .or_else(|| v["body"]["code"].as_str())
+        .unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_and_curl_use_a_swarm_through_the_api() {
+    let Some(model) = default_model() else { return };
+    let Some(python) = openai_python() else {
+        return;
+    };
+    let extra = ["--update-period", "5s"];
+    let first = start_model_server(&model, "0:10", None, &extra).await;
+    let peer = first.tcp_addr().expect("tcp address").to_string();
+    let second = start_model_server(&model, "10:20", Some(&peer), &extra).await;
+    let third = start_model_server(&model, "20:30", Some(&peer), &extra).await;
+    let third_id = third.peer_id().to_string();
+    let name = first.model().to_string();
+    tokio::task::spawn_blocking(move || check_api(&model, &python, &peer, &name, &third_id))
+        .await
+        .unwrap();
+    for server in [first, second, third] {
+        server.shutdown();
+    }
+}
+
+fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str) {
+    let model_arg = model.to_str().unwrap();
+    let expected = generate_json(
+        model,
+        &["--initial-peers", peer, "--chat", "--prompt", FRANCE],
+    );
+    let expected_short = generate_json(
+        model,
+        &[
+            "--initial-peers",
+            peer,
+            "--chat",
+            "--prompt",
+            FRANCE,
+            "--max-new-tokens",
+            "24",
+        ],
+    );
+    let expected_text = expected_short["text"].as_str().unwrap();
+    let expected_tokens = expected_short["generated_ids"].as_array().unwrap().len();
+    assert!(expected["text"].as_str().unwrap().contains("Paris"));
+
+    let api = Api::start(&["--model", model_arg, "--initial-peers", peer]);
+    let got = run_check(python, &api, name, "full");
+    eprintln!("{got:#}");
+
+    assert_eq!(got["models"], serde_json::json!([name]));
+    // Greedy through the API = `corolla generate --chat`, token for token.
+    let chat = &got["chat"];
+    assert_eq!(chat["content"], expected_text, "{chat}");
+    assert_eq!(chat["usage"]["completion_tokens"], expected_tokens);
+    assert_eq!(
+        chat["usage"]["prompt_tokens"],
+        expected_short["prompt_ids"].as_array().unwrap().len()
+    );
+    let finish = if expected_short["stop_reason"] == "end_of_sequence" {
+        "stop"
+    } else {
+        "length"
+    };
+    assert_eq!(chat["finish_reason"], finish);
+    let stream = &got["stream"];
+    assert_eq!(stream["content"], expected_text, "{stream}");
+    assert_eq!(stream["finish_reason"], finish);
+    assert_eq!(stream["usage"]["completion_tokens"], expected_tokens);
+    assert!(stream["chunks"].as_u64().unwrap() >= 3, "{stream}");
+
+    let follow = &got["follow_up"];
+    assert!(
+        follow["content"].as_str().unwrap().contains("Rome"),
+        "{follow}"
+    );
+    let completion = &got["completion"];
+    assert_eq!(completion["finish_reason"], "length");
+    assert_eq!(completion["usage"]["completion_tokens"], 8);
+    let expected_completion = generate_json(
+        model,
+        &[
+            "--initial-peers",
+            peer,
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "8",
+        ],
+    );
+    assert_eq!(completion["text"], expected_completion["text"]);
+
+    let stop = &got["stop"];
+    let stop_word = stop["stop"].as_str().unwrap();
+    let cut = &expected_text[..expected_text.find(stop_word).unwrap()];
+    assert_eq!(stop["content"], cut, "{stop}");
+    assert_eq!(stop["finish_reason"], "stop");
+    assert_eq!(got["short"]["finish_reason"], "length");
+    assert_eq!(got["short"]["usage"]["completion_tokens"], 3);
+
+    let errors = &got["errors"];
+    assert_eq!(errors["unknown_model"]["status"], 404, "{errors}");
+    assert_eq!(error_code(&errors["unknown_model"]), "model_not_found");
+    assert_eq!(errors["wrong_key"]["status"], 401);
+    assert_eq!(errors["too_long"]["status"], 400);
+    let too_long = errors["too_long"]["message"].as_str().unwrap();
+    assert!(too_long.contains("2048"), "the limit is named: {too_long}");
+    assert_eq!(errors["wrong_type"]["status"], 400);
+    assert_eq!(errors["bad_role"]["status"], 400);
+    assert_eq!(errors["malformed"]["status"], 400);
+    assert!(errors["malformed"]["body"]["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("JSON"));
+    assert_eq!(errors["huge_body"]["status"], 413);
+
+    // The follow-up and the repeated questions reused their conversations' sessions.
+    let metrics = curl(&[
+        "-s",
+        &format!("{}/metrics", api.base.trim_end_matches("/v1")),
+    ]);
+    assert!(
+        metric(&metrics, "corolla_api_reused_prompt_tokens_total") > 0.0,
+        "{metrics}"
+    );
+    assert!(metric(&metrics, "corolla_api_completion_tokens_total") > 0.0);
+    assert!(metric(&metrics, "corolla_api_time_to_first_token_seconds_count") >= 5.0);
+    assert!(
+        metrics.contains("corolla_api_errors_total{kind=\"model_not_found\"} 1"),
+        "{metrics}"
+    );
+
+    // curl -N: server-sent events, one chunk per piece, then [DONE].
+    let body = serde_json::json!({
+        "model": name, "stream": true, "temperature": 0, "max_tokens": 24,
+        "messages": [{"role": "user", "content": FRANCE}],
+    })
+    .to_string();
+    let started = Instant::now();
+    let sse = curl(&[
+        "-sN",
+        "-H",
+        &format!("Authorization: Bearer {KEY}"),
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &body,
+        &format!("{}/chat/completions", api.base),
+    ]);
+    let events: Vec<&str> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{sse}");
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).expect("chunk json"))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(text, expected_text, "{sse}");
+    eprintln!("curl stream took {:?}", started.elapsed());
+    drop(api);
+
+    // Without the third server's blocks: 503 naming them, at once.
+    let api = Api::start(&[
+        "--model",
+        model_arg,
+        "--initial-peers",
+        peer,
+        "--blocked-servers",
+        third,
+    ]);
+    let started = Instant::now();
+    let got = run_check(python, &api, name, "no-route");
+    let no_route = &got["no_route"];
+    assert_eq!(no_route["status"], 503, "{no_route}");
+    assert!(
+        no_route["message"].as_str().unwrap().contains("20..30"),
+        "{no_route}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+fn curl(args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .args(args)
+        .output()
+        .expect("curl is installed");
+    assert!(out.status.success(), "curl {args:?}: {out:?}");
+    String::from_utf8(out.stdout).expect("utf-8")
+}
