@@ -67,18 +67,19 @@ WASM_OPT_FEATURES=(--enable-reference-types --enable-bulk-memory --enable-nontra
     --enable-sign-ext --enable-mutable-globals --enable-simd --enable-multivalue)
 
 build_web() {
-    trunk build --offline --release
+    trunk build --offline --release || return 1
     local wasm=dist/corolla-wasm_bg.wasm
+    [ -f "$wasm" ] || { echo "trunk built no $wasm" >&2; return 1; }
     local cache="$CARGO_TARGET_DIR/wasm-opt"
     local key
     key=$(sha256sum "$wasm" | cut -c1-64)
     mkdir -p "$cache"
     if [ ! -f "$cache/$key.wasm" ]; then
         echo "wasm-opt -Oz $(du -h "$wasm" | cut -f1) (about 3 minutes)"
-        web/node_modules/.bin/wasm-opt -Oz "${WASM_OPT_FEATURES[@]}" "$wasm" -o "$cache/$key.wasm.partial"
-        mv "$cache/$key.wasm.partial" "$cache/$key.wasm"
+        web/node_modules/.bin/wasm-opt -Oz "${WASM_OPT_FEATURES[@]}" "$wasm" -o "$cache/$key.wasm.partial" || return 1
+        mv "$cache/$key.wasm.partial" "$cache/$key.wasm" || return 1
     fi
-    cp "$cache/$key.wasm" "$wasm"
+    cp "$cache/$key.wasm" "$wasm" || return 1
     echo "web page built: dist/ ($(du -h "$wasm" | cut -f1) of WebAssembly after wasm-opt)"
 }
 

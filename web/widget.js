@@ -12,6 +12,16 @@ const WASM_BIN = 'corolla-wasm_bg.wasm';
 const CONNECT_ATTEMPTS = 3;
 const CONNECT_RETRY_MS = 1000;
 const DEFAULTS = { temperature: 0.7, topP: 0.9, maxNewTokens: 128, heading: 'Corolla chat' };
+// Small models ramble at 0.7: lean toward the likeliest tokens (a fresh seed per answer still
+// lets "Regenerate" give another answer).
+const SMALL_MODEL_TEMPERATURE = 0.2;
+const SMALL_MODEL_PARAMETERS = 2e9;
+const EXAMPLES = ['What is the capital of France?', 'Write a haiku about the sea.',
+  'Explain recursion in two sentences.'];
+// While a conversation is on screen, its server sessions are kept open this often, for at most
+// KEEP_ALIVE_FOR after the last answer (servers expire idle sessions after a few minutes).
+const KEEP_ALIVE_EVERY_MS = 60_000;
+const KEEP_ALIVE_FOR_MS = 30 * 60_000;
 const TRANSPORTS = ['auto', 'webrtc-direct', 'websocket'];
 
 const BASE = new URL('.', import.meta.url);
@@ -94,6 +104,119 @@ function parseNumber(value) {
   return s === '' ? NaN : Number(s);
 }
 
+// Renders the small Markdown subset models write (fenced code, inline code, bold, italics,
+// headings, lists, http(s) links) as DOM nodes: model output never becomes HTML.
+export function renderMarkdown(container, text) {
+  container.replaceChildren();
+  const fence = /^```([^\n`]*)\n?([\s\S]*?)(?:\n?```[^\n]*(?:\n|$)|$)/gm;
+  let last = 0;
+  for (const m of text.matchAll(fence)) {
+    renderBlocks(container, text.slice(last, m.index));
+    container.append(codeBlock(m[1].trim(), m[2]));
+    last = m.index + m[0].length;
+  }
+  renderBlocks(container, text.slice(last));
+}
+
+function codeBlock(lang, code) {
+  const box = document.createElement('div');
+  box.className = 'code';
+  const bar = document.createElement('div');
+  bar.className = 'code-bar';
+  const label = document.createElement('span');
+  label.textContent = lang || 'code';
+  const copy = document.createElement('button');
+  copy.type = 'button';
+  copy.className = 'copy';
+  copy.textContent = 'Copy';
+  copy.addEventListener('click', () => copyText(code).then(
+    () => { copy.textContent = 'Copied'; setTimeout(() => { copy.textContent = 'Copy'; }, 1500); },
+    () => { copy.textContent = 'Copy failed'; },
+  ));
+  bar.append(label, copy);
+  const pre = document.createElement('pre');
+  const codeEl = document.createElement('code');
+  codeEl.textContent = code;
+  pre.append(codeEl);
+  box.append(bar, pre);
+  return box;
+}
+
+// The Clipboard API exists only in secure contexts; elsewhere fall back to a selection.
+async function copyText(text) {
+  if (navigator.clipboard && globalThis.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = document.createElement('textarea');
+  area.value = text;
+  area.style.position = 'fixed';
+  area.style.opacity = '0';
+  document.body.append(area);
+  area.select();
+  const ok = document.execCommand('copy');
+  area.remove();
+  if (!ok) throw new Error('copy refused');
+}
+
+function renderBlocks(container, text) {
+  const lines = text.split('\n');
+  let list = null;
+  let para = null;
+  const endBlocks = () => { list = null; para = null; };
+  for (const line of lines) {
+    if (!line.trim()) { endBlocks(); continue; }
+    const heading = /^(#{1,6})\s+(.*)$/.exec(line);
+    const bullet = /^\s*[-*+]\s+(.*)$/.exec(line);
+    const numbered = /^\s*(\d{1,3})[.)]\s+(.*)$/.exec(line);
+    if (heading) {
+      endBlocks();
+      const h = document.createElement('p');
+      h.className = `h h${heading[1].length}`;
+      renderInline(h, heading[2]);
+      container.append(h);
+    } else if (bullet || numbered) {
+      const kind = bullet ? 'UL' : 'OL';
+      if (!list || list.tagName !== kind) {
+        para = null;
+        list = document.createElement(kind.toLowerCase());
+        if (numbered && numbered[1] !== '1') list.start = Number(numbered[1]);
+        container.append(list);
+      }
+      const li = document.createElement('li');
+      renderInline(li, bullet ? bullet[1] : numbered[2]);
+      list.append(li);
+    } else if (list && /^\s+\S/.test(line) && list.lastElementChild) {
+      list.lastElementChild.append(' ');
+      renderInline(list.lastElementChild, line.trim());
+    } else {
+      list = null;
+      if (para) para.append(document.createElement('br'));
+      else { para = document.createElement('p'); container.append(para); }
+      renderInline(para, line);
+    }
+  }
+}
+
+function renderInline(parent, text) {
+  const inline = /(`[^`\n]+`)|(\*\*[^*\n]+\*\*)|(\*[^*\s][^*\n]*\*|_[^_\s][^_\n]*_)|(\[[^\]\n]+\]\((https?:\/\/[^\s)]+)\))/g;
+  let last = 0;
+  for (const m of text.matchAll(inline)) {
+    if (m.index > last) parent.append(text.slice(last, m.index));
+    let el;
+    if (m[1]) { el = document.createElement('code'); el.textContent = m[1].slice(1, -1); }
+    else if (m[2]) { el = document.createElement('strong'); renderInline(el, m[2].slice(2, -2)); }
+    else if (m[3]) { el = document.createElement('em'); renderInline(el, m[3].slice(1, -1)); }
+    else {
+      el = document.createElement('a');
+      el.href = m[5];
+      el.target = '_blank';
+      el.rel = 'noopener noreferrer nofollow';
+      el.textContent = m[4].slice(1, m[4].indexOf(']('));
+    }
+    parent.append(el);
+    last = m.index + m[0].length;
+  }
+  if (last < text.length) parent.append(text.slice(last));
+}
+
 const STYLE = `
 :host {
   --bg: var(--corolla-bg, #ffffff);
@@ -141,13 +264,17 @@ const STYLE = `
 [hidden] { display: none !important; }
 
 header {
-  display: flex; flex-wrap: wrap; align-items: center; gap: 4px 12px;
+  display: flex; flex-wrap: nowrap; align-items: center; gap: 8px;
   padding: 10px 14px; border-bottom: 1px solid var(--line); background: var(--panel);
 }
+#new { flex: none; padding: 3px 10px; font-size: .8rem; }
 .title { flex: 1 1 auto; min-width: 0; display: flex; align-items: baseline; gap: 8px; }
 h2 { margin: 0; font-size: 1rem; font-weight: 650; white-space: nowrap; }
 #model { color: var(--muted); font-size: .8rem; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
-#status { display: inline-flex; align-items: center; gap: 6px; font-size: .8rem; color: var(--muted); }
+#status {
+  display: inline-flex; align-items: center; gap: 6px; font-size: .8rem; color: var(--muted);
+  flex: 0 1 auto; min-width: 0; overflow: hidden; white-space: nowrap; text-overflow: ellipsis;
+}
 #status::before {
   content: ""; width: 8px; height: 8px; border-radius: 50%; background: var(--warn);
 }
@@ -171,18 +298,41 @@ h2 { margin: 0; font-size: 1rem; font-weight: 650; white-space: nowrap; }
   display: flex; flex-direction: column; gap: 10px; padding: 12px;
 }
 .hint { margin: auto; max-width: 32em; text-align: center; color: var(--muted); font-size: .875rem; }
+.examples { display: flex; flex-wrap: wrap; justify-content: center; gap: 6px; margin-top: 10px; }
+.examples button { font-size: .8rem; padding: 5px 10px; border-radius: 14px; }
 .msg { display: flex; flex-direction: column; max-width: 88%; }
 .msg.user { align-self: flex-end; align-items: flex-end; }
 .msg.assistant { align-self: flex-start; }
 .bubble {
   padding: 8px 12px; border-radius: 14px; white-space: pre-wrap; overflow-wrap: anywhere;
 }
+.assistant .bubble { white-space: normal; }
+.bubble > :first-child { margin-top: 0; }
+.bubble > :last-child { margin-bottom: 0; }
+.bubble p, .bubble ul, .bubble ol { margin: .4em 0; }
+.bubble ul, .bubble ol { padding-left: 1.4em; }
+.bubble .h { font-weight: 650; margin: .6em 0 .3em; }
+.bubble .h1, .bubble .h2 { font-size: 1.08em; }
+.bubble code { font: .88em/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+  background: color-mix(in srgb, var(--fg) 9%, transparent); padding: 1px 4px; border-radius: 4px; }
+.bubble a { color: inherit; }
+.code { margin: .5em 0; border: 1px solid var(--line); border-radius: 8px; overflow: hidden; background: var(--bg); }
+.code-bar { display: flex; justify-content: space-between; align-items: center; gap: 8px;
+  padding: 3px 4px 3px 10px; font-size: .75rem; color: var(--muted); border-bottom: 1px solid var(--line); }
+.code-bar .copy { padding: 1px 8px; font-size: .75rem; }
+.code pre { margin: 0; padding: 8px 10px; overflow-x: auto; white-space: pre; }
+.code pre code { background: none; padding: 0; }
+.actions { display: flex; gap: 4px; margin-top: 2px; }
+.actions button { padding: 1px 8px; font-size: .75rem; background: transparent; border-color: transparent; color: var(--muted); }
+.actions button:hover:not(:disabled) { border-color: var(--line); color: var(--fg); }
 .user .bubble { background: var(--accent); color: var(--accent-fg); border-bottom-right-radius: 4px; }
 .assistant .bubble { background: var(--bot); border-bottom-left-radius: 4px; }
 .streaming .bubble::after { content: "\\258D"; animation: blink 1s steps(1) infinite; opacity: .6; }
 @keyframes blink { 50% { opacity: 0; } }
 .failed .bubble { opacity: .55; }
 .meta { margin-top: 3px; font-size: .75rem; color: var(--muted); overflow-wrap: anywhere; }
+details.meta summary { cursor: pointer; list-style-position: inside; }
+details.meta .route { margin-top: 2px; }
 .notice { margin-top: 3px; font-size: .75rem; color: var(--warn); }
 .failed .meta { color: var(--danger); }
 
@@ -204,13 +354,16 @@ textarea {
   border: 1px solid var(--line); border-radius: 10px;
 }
 textarea:focus, .fields input:focus { outline: 2px solid var(--accent); outline-offset: -1px; }
-.buttons { display: flex; flex-direction: column; gap: 6px; }
+/* Send and Stop take turns in one place: nothing moves when an answer starts. */
+.buttons { display: flex; align-items: stretch; }
+.buttons button { min-width: 72px; }
 button {
   font: inherit; font-size: .875rem; padding: 7px 14px; border-radius: 10px; cursor: pointer;
   border: 1px solid var(--line); background: var(--panel); color: var(--fg);
 }
 button:disabled { opacity: .5; cursor: not-allowed; }
 #send { background: var(--accent); color: var(--accent-fg); border-color: var(--accent); font-weight: 600; }
+#send:disabled { background: var(--panel); color: var(--muted); border-color: var(--line); opacity: 1; font-weight: 400; }
 #error button { padding: 2px 8px; font-size: .8rem; background: transparent; color: inherit; border-color: currentColor; }
 `;
 
@@ -219,6 +372,7 @@ const TEMPLATE = `
 <header>
   <div class="title"><h2 id="heading"></h2><span id="model"></span></div>
   <span id="status" role="status" aria-live="polite"></span>
+  <button type="button" id="new" title="Start a new conversation" disabled>New chat</button>
 </header>
 <div id="error" role="alert" hidden>
   <span class="text"></span>
@@ -229,10 +383,7 @@ const TEMPLATE = `
   <div class="label"></div>
   <progress max="1"></progress>
 </div>
-<div id="messages" role="log" aria-live="polite">
-  <p class="hint">Answers are computed by a swarm of Corolla servers, each running a slice of the
-  model; your browser runs the rest.</p>
-</div>
+<div id="messages" role="log" aria-live="polite"></div>
 <details id="settings">
   <summary>Settings</summary>
   <div class="fields">
@@ -243,7 +394,7 @@ const TEMPLATE = `
   <div id="settings-msg" role="alert"></div>
 </details>
 <form>
-  <textarea id="input" rows="2" placeholder="Ask something…" aria-label="Message"></textarea>
+  <textarea id="input" rows="1" placeholder="Ask something…" aria-label="Message"></textarea>
   <div class="buttons">
     <button id="send" type="submit" disabled>Send</button>
     <button id="stop" type="button" hidden>Stop</button>
@@ -259,9 +410,13 @@ export class CorollaChat extends HTMLElement {
   #lastResult = null;
   #lastError = null;
   #started = false;
-  #history = []; // user/assistant turns; the system prompt is prepended per request
+  // User and assistant turns ({role, content, el}); the system prompt is prepended per request.
+  #turns = [];
   #config = null;
   #statusAddresses = null;
+  #temperatureTouched = false;
+  #lastActivity = 0;
+  #keepAlive = null;
 
   constructor() {
     super();
@@ -273,6 +428,8 @@ export class CorollaChat extends HTMLElement {
     });
     this.#q('#input').addEventListener('input', () => this.#fitInput());
     this.#q('#stop').addEventListener('click', () => this.stop());
+    this.#q('#new').addEventListener('click', () => this.newConversation());
+    this.#q('#temperature').addEventListener('input', () => { this.#temperatureTouched = true; });
     this.#q('#error .dismiss').addEventListener('click', () => { this.#q('#error').hidden = true; });
     this.#q('#error .retry').addEventListener('click', () => this.#start());
     for (const id of ['#temperature', '#top-p', '#max-new-tokens']) {
@@ -304,6 +461,8 @@ export class CorollaChat extends HTMLElement {
 
   disconnectedCallback() {
     if (this.#state === 'generating') this.#client?.stop();
+    clearInterval(this.#keepAlive);
+    this.#keepAlive = null;
   }
 
   attributeChangedCallback() { this.#renderHeading(); }
@@ -330,7 +489,10 @@ export class CorollaChat extends HTMLElement {
       temperature: num('temperature', DEFAULTS.temperature),
       topP: num('top-p', DEFAULTS.topP),
       maxNewTokens: num('max-new-tokens', DEFAULTS.maxNewTokens),
+      temperatureGiven: attr('temperature') !== null,
       seed: Number.isSafeInteger(seed) && seed >= 0 ? seed : null,
+      examples: attr('examples')?.split('|').map((e) => e.trim()).filter(Boolean) ?? EXAMPLES,
+      persist: attr('persist') !== 'false',
     };
   }
 
@@ -339,7 +501,12 @@ export class CorollaChat extends HTMLElement {
     this.setAttribute('data-state', state);
     const generating = state === 'generating';
     this.#q('#send').disabled = state !== 'ready';
+    this.#q('#send').hidden = generating;
     this.#q('#stop').hidden = !generating;
+    this.#q('#new').disabled = state !== 'ready' || this.#turns.length === 0;
+    for (const b of this.shadowRoot.querySelectorAll('.actions button, .examples button')) {
+      b.disabled = state !== 'ready';
+    }
     this.#q('#stop').disabled = false;
     this.#q('#stop').textContent = 'Stop';
     if (state === 'ready') this.#setStatus('ready');
@@ -375,6 +542,7 @@ export class CorollaChat extends HTMLElement {
     this.#statusAddresses = null;
     this.#lastError = null;
     this.#q('#error').hidden = true;
+    this.#showEmpty();
     try {
       if (!this.#client) {
         this.#setState('loading');
@@ -393,12 +561,18 @@ export class CorollaChat extends HTMLElement {
         this.#q('#model').textContent = info.model;
         this.#q('#model').title = `${info.model}: ${info.num_layers} blocks, ` +
           `hidden size ${info.hidden_size}, vocabulary ${info.vocab_size}, context ${info.max_positions}`;
+        const parameters = 12 * info.num_layers * info.hidden_size ** 2 + 2 * info.vocab_size * info.hidden_size;
+        if (!this.#config.temperatureGiven && !this.#temperatureTouched && parameters < SMALL_MODEL_PARAMETERS) {
+          this.#q('#temperature').value = SMALL_MODEL_TEMPERATURE;
+        }
+        this.#restore();
       }
       this.#setState('connecting');
       let addresses;
       try { addresses = await this.#connect(); }
       catch (e) { throw new StageError('Cannot connect', e); }
       this.#setState('ready');
+      this.#startKeepAlive();
       this.#emit('corolla-ready', { model: this.#client.info().model, addresses });
     } catch (e) {
       this.#fail(errorMessage(e), { fatal: true, retryable: e.retryable !== false });
@@ -514,57 +688,122 @@ export class CorollaChat extends HTMLElement {
   async ask(text) {
     text = String(text ?? '').trim();
     if (!text) throw new Error('Type a message first.');
+    this.#checkReady();
+    const settings = this.#settingsOrShow();
+    const userTurn = { role: 'user', content: text };
+    this.#turns.push(userTurn);
+    userTurn.el = this.#addMessage(userTurn);
+    return this.#answer(settings, userTurn);
+  }
+
+  /** Asks again for the last answer (a fresh seed: another answer when sampling). */
+  async regenerate() {
+    this.#checkReady();
+    const last = this.#turns.at(-1);
+    if (last?.role !== 'assistant') throw new Error('There is no answer to regenerate.');
+    const settings = this.#settingsOrShow();
+    this.#turns.pop();
+    last.el.remove();
+    return this.#answer(settings, this.#turns.at(-1));
+  }
+
+  /** Takes the user message at `index` (of `conversation`) and everything after it off the
+   *  conversation, and puts its text into the input to be edited and sent again. */
+  edit(index) {
+    this.#checkReady();
+    const turn = this.#turns[index];
+    if (turn?.role !== 'user') throw new Error('Only your own messages can be edited.');
+    for (const t of this.#turns.splice(index)) t.el.remove();
+    const input = this.#q('#input');
+    input.value = turn.content;
+    this.#fitInput();
+    input.focus();
+    this.#save();
+    this.#showEmpty();
+    this.#setState('ready');
+  }
+
+  /** Forgets the conversation (on screen, in storage and on the servers). */
+  newConversation() {
+    this.#checkReady();
+    for (const t of this.#turns) t.el.remove();
+    this.#turns = [];
+    this.#save();
+    this.#showEmpty();
+    this.#setState('ready');
+    this.#client?.reset().catch(() => {});
+  }
+
+  /** The conversation so far: [{role, content}] (without the system prompt). */
+  get conversation() { return this.#turns.map(({ role, content }) => ({ role, content })); }
+
+  #checkReady() {
     if (this.#state !== 'ready') {
       throw new Error(this.#state === 'generating'
         ? 'Still answering; stop it or wait for the answer.'
         : `Not ready (${this.#state}).`);
     }
-    let settings;
-    try { settings = this.#readSettings(); }
-    catch (e) { this.#lastError = e.message; this.#showError(e.message, false); throw e; }
+  }
 
+  #settingsOrShow() {
+    try { return this.#readSettings(); }
+    catch (e) { this.#lastError = e.message; this.#showError(e.message, false); throw e; }
+  }
+
+  // Answers the conversation as it stands; `userTurn` is the turn being answered, dropped
+  // again (with its message) if no answer comes.
+  async #answer(settings, userTurn) {
     this.#lastError = null;
     this.#q('#error').hidden = true;
     this.#setState('generating'); // synchronously, so a second Enter can't start a second chat
-    const userTurn = { role: 'user', content: text };
-    this.#history.push(userTurn);
-    const messages = this.#config.system
-      ? [{ role: 'system', content: this.#config.system }, ...this.#history]
-      : [...this.#history];
-    const userEl = this.#addMessage('user', text);
-    const botEl = this.#addMessage('assistant', '');
+    const messages = this.conversation;
+    if (this.#config.system) messages.unshift({ role: 'system', content: this.#config.system });
+    const botTurn = { role: 'assistant', content: '' };
+    const botEl = this.#addMessage(botTurn);
     botEl.classList.add('streaming');
     const bubble = botEl.querySelector('.bubble');
-    const stream = bubble.appendChild(document.createTextNode(''));
+    let text = '';
     let count = 0;
-
+    let frame = 0;
+    const render = () => { frame = 0; renderMarkdown(bubble, text); };
     try {
       const result = await this.#client.chat(messages, settings, (piece, tokenId) => {
         count += 1;
+        text += piece;
         const follow = this.#atBottom();
-        stream.appendData(piece);
-        if (follow) this.#scrollToBottom();
+        if (!frame) frame = requestAnimationFrame(() => { render(); if (follow) this.#scrollToBottom(); });
         this.#emit('corolla-token', { piece, tokenId, count });
       });
+      if (frame) cancelAnimationFrame(frame);
       const follow = this.#atBottom();
-      if (typeof result.text === 'string') bubble.textContent = result.text;
+      if (typeof result.text === 'string') text = result.text;
+      render();
       // Cancelled answers stay in the conversation too: the model did say that much.
-      this.#history.push({ role: 'assistant', content: bubble.textContent });
+      botTurn.content = text;
+      botTurn.el = botEl;
+      this.#turns.push(botTurn);
       this.#addMeta(botEl, result);
+      this.#addActions();
       if (follow) this.#scrollToBottom();
       this.#lastResult = result;
+      this.#lastActivity = Date.now();
+      this.#save();
       this.#setState('ready');
       this.#emit('corolla-answer', result);
       return result;
     } catch (e) {
+      if (frame) cancelAnimationFrame(frame);
       const message = errorMessage(e);
       // A question that never got an answer would confuse the next request: drop it.
-      const i = this.#history.lastIndexOf(userTurn);
-      if (i >= 0) this.#history.splice(i, 1);
-      userEl.classList.add('failed');
+      const i = this.#turns.lastIndexOf(userTurn);
+      if (i >= 0 && userTurn.role === 'user' && i === this.#turns.length - 1) {
+        this.#turns.splice(i, 1);
+        userTurn.el?.classList.add('failed');
+      }
       botEl.classList.add('failed');
-      if (!bubble.textContent) bubble.textContent = '(no answer)';
+      if (!text) bubble.textContent = '(no answer)';
       this.#addLine(botEl, 'meta', 'Failed; this turn is left out of the conversation.');
+      this.#addActions();
       this.#setState('ready'); // before the event, so listeners may ask again at once
       const stage = /no server covers|no route/i.test(message) ? 'No route' : 'Answer failed';
       this.#fail(`${stage}: ${message}`, { fatal: false });
@@ -582,17 +821,95 @@ export class CorollaChat extends HTMLElement {
     this.#client?.stop();
   }
 
-  #addMessage(role, text) {
+  // The conversation survives reloads, per server, model and system prompt.
+  #storageKey() {
+    const model = this.#client?.info().model ?? '';
+    return `corolla-chat:${this.#config.server}:${model}:${this.#config.system ?? ''}`;
+  }
+
+  #save() {
+    if (!this.#config?.persist) return;
+    try {
+      const turns = this.conversation;
+      if (turns.length) localStorage.setItem(this.#storageKey(), JSON.stringify({ turns }));
+      else localStorage.removeItem(this.#storageKey());
+    } catch { /* storage full or blocked: the conversation just isn't kept */ }
+  }
+
+  #restore() {
+    let turns = [];
+    if (this.#config.persist) {
+      try { turns = JSON.parse(localStorage.getItem(this.#storageKey()) ?? '{}').turns ?? []; }
+      catch { turns = []; }
+    }
+    for (const t of this.#turns) t.el.remove();
+    this.#turns = turns
+      .filter((t) => (t.role === 'user' || t.role === 'assistant') && typeof t.content === 'string')
+      .map(({ role, content }) => ({ role, content }));
+    for (const t of this.#turns) t.el = this.#addMessage(t);
+    this.#addActions();
+    this.#showEmpty();
+  }
+
+  // Example prompts (and what Corolla is) while the conversation is empty.
+  #showEmpty() {
+    const list = this.#q('#messages');
+    list.querySelector('.hint')?.remove();
+    if (this.#turns.length) return;
+    const hint = document.createElement('div');
+    hint.className = 'hint';
+    hint.append('Answers are computed by a swarm of Corolla servers, each running a slice of the ' +
+      'model; your browser runs the rest.');
+    const examples = document.createElement('div');
+    examples.className = 'examples';
+    for (const example of this.#config.examples) {
+      const b = document.createElement('button');
+      b.type = 'button';
+      b.textContent = example;
+      b.disabled = this.#state !== 'ready';
+      b.addEventListener('click', () => this.ask(example).catch(() => {}));
+      examples.append(b);
+    }
+    hint.append(examples);
+    list.append(hint);
+  }
+
+  #addMessage(turn) {
     this.#q('#messages .hint')?.remove();
     const el = document.createElement('div');
-    el.className = `msg ${role}`;
+    el.className = `msg ${turn.role}`;
     const bubble = document.createElement('div');
     bubble.className = 'bubble';
-    bubble.textContent = text;
+    if (turn.role === 'assistant') renderMarkdown(bubble, turn.content);
+    else bubble.textContent = turn.content;
     el.append(bubble);
     this.#q('#messages').append(el);
     this.#scrollToBottom();
     return el;
+  }
+
+  // Edit on every user message, Regenerate on the last answer.
+  #addActions() {
+    for (const old of this.shadowRoot.querySelectorAll('.actions')) old.remove();
+    this.#turns.forEach((turn, index) => {
+      const last = index === this.#turns.length - 1;
+      if (turn.role === 'assistant' && !last) return;
+      const row = document.createElement('div');
+      row.className = 'actions';
+      const b = document.createElement('button');
+      b.type = 'button';
+      b.className = turn.role === 'user' ? 'edit' : 'regenerate';
+      b.textContent = turn.role === 'user' ? 'Edit' : 'Regenerate';
+      b.disabled = this.#state !== 'ready';
+      b.addEventListener('click', () => {
+        try {
+          if (turn.role === 'user') this.edit(this.#turns.indexOf(turn));
+          else this.regenerate().catch(() => {});
+        } catch (e) { this.#showError(errorMessage(e), false); }
+      });
+      row.append(b);
+      turn.el.append(row);
+    });
   }
 
   #addLine(parent, cls, text) {
@@ -603,27 +920,51 @@ export class CorollaChat extends HTMLElement {
     return line;
   }
 
+  // Tokens and speed in a line; which servers answered behind a toggle.
   #addMeta(botEl, result) {
     const tokens = result.generated_ids?.length ?? 0;
     const speed = Number(result.tokens_per_second) || 0;
-    const meta = this.#addLine(botEl, 'meta', `${tokens} tokens · ${speed.toFixed(1)} tokens/s`);
+    const meta = document.createElement('details');
+    meta.className = 'meta';
+    const summary = document.createElement('summary');
+    summary.textContent = `${tokens} tokens · ${speed.toFixed(1)} tokens/s` +
+      (result.stop_reason === 'cancelled' ? ' · stopped' : '');
+    meta.append(summary);
     const route = result.route ?? [];
     if (route.length) {
-      meta.append(' · via ');
+      const line = document.createElement('div');
+      line.className = 'route';
+      line.append(`${route.length} server${route.length > 1 ? 's' : ''}: `);
       route.forEach((hop, i) => {
-        if (i) meta.append(', ');
+        if (i) line.append(', ');
         const span = document.createElement('span');
-        span.textContent = `${shortId(hop.peer_id)} (${hop.start}..${hop.end})`;
-        span.title = `${hop.peer_id}: blocks ${hop.start}..${hop.end}`;
-        meta.append(span);
+        span.textContent = `${shortId(hop.peer_id)} (blocks ${hop.start}..${hop.end})`;
+        span.title = hop.peer_id;
+        line.append(span);
       });
+      meta.append(line);
     }
-    if (result.stop_reason === 'cancelled') meta.append(' · stopped');
+    if (result.reused_tokens > 0) {
+      this.#addLine(meta, 'route', `${result.reused_tokens} of ${result.prompt_ids?.length ?? 0} prompt tokens were already on the servers`);
+    }
+    botEl.append(meta);
     for (const r of result.recoveries ?? []) {
       const seconds = (Number(r.seconds) || 0).toFixed(1);
-      const line = this.#addLine(botEl, 'notice', `server ${shortId(r.failed_peer)} was lost; recovered in ${seconds}s`);
+      const line = this.#addLine(botEl, 'notice', `a server was lost; recovered in ${seconds}s`);
       line.title = `${r.failed_peer} (blocks ${r.start}..${r.end}) failed at token ${r.step}: ${r.error}`;
     }
+  }
+
+  // Servers expire idle sessions: while the conversation is on screen (and was used in the last
+  // half hour), keep its sessions open so that the next turn sends only its new tokens.
+  #startKeepAlive() {
+    if (this.#keepAlive) return;
+    this.#keepAlive = setInterval(() => {
+      const recent = Date.now() - this.#lastActivity < KEEP_ALIVE_FOR_MS;
+      if (this.#state === 'ready' && this.#turns.length && recent && document.visibilityState === 'visible') {
+        this.#client?.keepAlive().catch(() => {});
+      }
+    }, KEEP_ALIVE_EVERY_MS);
   }
 
   #atBottom() {

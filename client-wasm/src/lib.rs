@@ -34,7 +34,7 @@ const MAX_NEW_TOKENS: usize = 4096;
 
 /// The model before the page joins a swarm, and the assistant after.
 enum Model {
-    Loaded(ClientPart),
+    Loaded(Box<ClientPart>),
     Joined(Rc<Assistant>),
     /// Only while switching from one to the other.
     Switching,
@@ -168,7 +168,7 @@ impl CorollaClient {
             inner: Rc::new(Inner {
                 model: manifest.model,
                 info,
-                state: RefCell::new(Model::Loaded(part)),
+                state: RefCell::new(Model::Loaded(Box::new(part))),
                 conversation: RefCell::new(Conversation::new()),
                 stop: Cell::new(false),
                 busy: Cell::new(false),
@@ -192,7 +192,7 @@ impl CorollaClient {
             }
             let node = swarm::connect(&bootstrap).await.map_err(error)?;
             let part = match inner.state.replace(Model::Switching) {
-                Model::Loaded(part) => part,
+                Model::Loaded(part) => *part,
                 Model::Joined(assistant) => match Rc::try_unwrap(assistant) {
                     Ok(assistant) => assistant.into_part(),
                     Err(shared) => {
@@ -299,10 +299,9 @@ impl Drop for BusyGuard<'_> {
     }
 }
 
+/// A seed JavaScript can hold exactly (below 2^53), as the answer reports it.
 fn fresh_seed() -> u64 {
-    let high = (js_sys::Math::random() * 4294967296.0) as u64;
-    let low = (js_sys::Math::random() * 4294967296.0) as u64;
-    (high << 32) | low
+    (js_sys::Math::random() * 9007199254740992.0) as u64
 }
 
 async fn answer(

@@ -19,19 +19,14 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::assistant::{Answer, Assistant, Conversation};
 use crate::chat::ChatMessage;
-use crate::cli::{open_assistant, runtime, ModelArgs, SamplingArgs, SwarmArgs};
+use crate::cli::{open_assistant, runtime, BlocksArgs, ModelArgs, SamplingArgs, SwarmArgs};
 use crate::generate::{GenerateRequest, StopReason};
 use crate::text::TextStream;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
     #[command(flatten)]
-    model: ModelArgs,
-    /// Run every block in this process.
-    #[arg(long, conflicts_with = "initial_peers")]
-    local: bool,
-    #[command(flatten)]
-    swarm: SwarmArgs,
+    blocks: BlocksArgs,
     #[command(flatten)]
     chat: ChatOptions,
 }
@@ -74,7 +69,7 @@ pub struct DemoArgs {
 
 pub fn run_chat(args: ChatArgs) -> Result<()> {
     let rt = runtime()?;
-    let assistant = rt.block_on(open_assistant(&args.model, args.local, &args.swarm))?;
+    let assistant = rt.block_on(open_assistant(&args.blocks))?;
     let signals = Signals::install(&rt);
     print_ready(&assistant);
     chat_loop(&rt, &signals, &assistant, &args.chat, None).map(drop)
@@ -152,6 +147,11 @@ impl Signals {
     }
 }
 
+/// While a chat waits for its next message, its sessions are kept open this
+/// often, for at most `KEEP_ALIVE_FOR` after the last answer.
+const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(60);
+const KEEP_ALIVE_FOR: Duration = Duration::from_secs(30 * 60);
+
 /// What the chat loop reads: lines from stdin, their end, or a quit request.
 enum Input {
     Line(String),
@@ -204,6 +204,7 @@ fn chat_loop(
     rt.block_on(async {
         // One conversation for the whole chat: each turn sends only its new tokens.
         let mut conversation = Conversation::new();
+        let mut last_answer = Instant::now();
         let mut messages: Vec<ChatMessage> = opts
             .system
             .iter()
@@ -214,9 +215,17 @@ fn chat_loop(
                 eprint!("> ");
                 let _ = std::io::stderr().flush();
             }
-            let input = tokio::select! {
-                line = lines_rx.recv() => line.map_or(Input::End, Input::Line),
-                _ = quit.notified() => Input::Quit,
+            let input = loop {
+                let idle = last_answer.elapsed();
+                let keep_alive = conversation.is_open() && idle < KEEP_ALIVE_FOR;
+                tokio::select! {
+                    line = lines_rx.recv() => break line.map_or(Input::End, Input::Line),
+                    _ = quit.notified() => break Input::Quit,
+                    // While the user types, keep the servers' sessions open.
+                    _ = tokio::time::sleep(KEEP_ALIVE_EVERY), if keep_alive => {
+                        conversation.keep_alive().await;
+                    }
+                }
             };
             let line = match input {
                 Input::Quit | Input::End if interactive => {
@@ -251,6 +260,7 @@ fn chat_loop(
             stop.store(false, Ordering::SeqCst);
             generating.store(true, Ordering::SeqCst);
             let answer = stream_answer(assistant, &mut conversation, &request, stop).await;
+            last_answer = Instant::now();
             generating.store(false, Ordering::SeqCst);
             match answer {
                 Ok((text, answer)) => {
@@ -558,7 +568,11 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         model: Some(path),
         ..model
     };
-    let assistant = rt.block_on(open_assistant(&model, false, &swarm_args))?;
+    let assistant = rt.block_on(open_assistant(&BlocksArgs {
+        model,
+        local: false,
+        swarm: swarm_args,
+    }))?;
     if args.prompt.is_none() {
         print_ready(&assistant);
     }

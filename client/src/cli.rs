@@ -57,12 +57,7 @@ enum Command {
 #[derive(Args, Debug)]
 struct ApiArgs {
     #[command(flatten)]
-    model: ModelArgs,
-    /// Run every block in this process.
-    #[arg(long, conflicts_with = "initial_peers")]
-    local: bool,
-    #[command(flatten)]
-    swarm: SwarmArgs,
+    blocks: BlocksArgs,
     #[arg(long, default_value = "127.0.0.1")]
     host: std::net::IpAddr,
     /// 0: any free port (the address is printed).
@@ -167,12 +162,7 @@ pub(crate) fn fetch_default_model() -> Result<PathBuf> {
 #[derive(Args, Debug)]
 struct GenerateArgs {
     #[command(flatten)]
-    model: ModelArgs,
-    /// Run every block in this process.
-    #[arg(long, conflicts_with = "initial_peers")]
-    local: bool,
-    #[command(flatten)]
-    swarm: SwarmArgs,
+    blocks: BlocksArgs,
     #[arg(long)]
     prompt: String,
     /// Send the prompt as one user turn through the model's chat template.
@@ -251,7 +241,7 @@ pub fn run() -> Result<()> {
 }
 
 async fn run_api(args: ApiArgs) -> Result<()> {
-    let assistant = open_assistant(&args.model, args.local, &args.swarm).await?;
+    let assistant = open_assistant(&args.blocks).await?;
     let settings = crate::api::ApiSettings {
         addr: std::net::SocketAddr::new(args.host, args.port),
         api_key: args.api_key.filter(|k| !k.is_empty()),
@@ -337,13 +327,27 @@ struct GenerateJson<'a> {
     recoveries: Option<&'a [Recovery]>,
 }
 
-/// Opens `args`'s model for answers: its blocks run in this process, or on
-/// the swarm that `swarm` enters through.
-pub(crate) async fn open_assistant(
-    args: &ModelArgs,
-    local: bool,
-    swarm: &SwarmArgs,
-) -> Result<Assistant> {
+/// Which model to answer with, and where its blocks run.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct BlocksArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Run every block in this process.
+    #[arg(long, conflicts_with = "initial_peers")]
+    pub local: bool,
+    #[command(flatten)]
+    pub swarm: SwarmArgs,
+}
+
+/// Opens the model for answers: its blocks run in this process (`--local`),
+/// or on the swarm `--initial-peers` enter.
+pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
+    let BlocksArgs {
+        model: args,
+        local,
+        swarm,
+    } = blocks;
+    let local = *local;
     if !local && swarm.initial_peers.is_empty() {
         bail!("pass --initial-peers to run through a swarm, or --local to run the whole model in this process");
     }
@@ -377,7 +381,7 @@ impl SwarmArgs {
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
     let rt = runtime()?;
-    let assistant = rt.block_on(open_assistant(&args.model, args.local, &args.swarm))?;
+    let assistant = rt.block_on(open_assistant(&args.blocks))?;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {

@@ -9,7 +9,9 @@ import argparse
 import json
 import sys
 
-import httpx
+import urllib.error
+import urllib.request
+
 import openai
 
 
@@ -21,6 +23,20 @@ def status_of(call):
         body = e.body if isinstance(e.body, dict) else {}
         return {"status": e.status_code, "message": str(e), "body": body}
     return {"status": None, "message": "no error", "body": {}}
+
+
+def raw_post(args, body):
+    """POSTs `body` as is (the SDK only sends well-formed JSON): {status, body}."""
+    request = urllib.request.Request(
+        args.base_url + "/chat/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {args.api_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return {"status": response.status, "body": json.load(response)}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "body": json.load(e)}
 
 
 def full(client, args):
@@ -128,18 +144,8 @@ def full(client, args):
             model=args.model, messages=[{"role": "robot", "content": "hi"}]
         )
     )
-    raw = httpx.post(
-        args.base_url + "/chat/completions",
-        content=b"{not json",
-        headers={"Authorization": f"Bearer {args.api_key}", "Content-Type": "application/json"},
-    )
-    errors["malformed"] = {"status": raw.status_code, "body": raw.json()}
-    huge = httpx.post(
-        args.base_url + "/chat/completions",
-        content=b'{"pad": "' + b"x" * (2 << 20) + b'"}',
-        headers={"Authorization": f"Bearer {args.api_key}", "Content-Type": "application/json"},
-    )
-    errors["huge_body"] = {"status": huge.status_code, "body": huge.json()}
+    errors["malformed"] = raw_post(args, b"{not json")
+    errors["huge_body"] = raw_post(args, b'{"pad": "' + b"x" * (2 << 20) + b'"}')
     out["errors"] = errors
     return out
 

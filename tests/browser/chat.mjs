@@ -33,6 +33,9 @@ const { values: args } = parseArgs({
     // server may see the browser log the dropped connection); any other
     // console error or uncaught page error fails the run.
     'allow-console-error': { type: 'string' },
+    // After the answers: Markdown rendering, Regenerate, Edit, a reload that restores the
+    // conversation, New chat, and a dark-mode screenshot (ui-dark.png beside --screenshot).
+    'ui-check': { type: 'boolean', default: false },
   },
 });
 if (!args.url || !args.prompt) {
@@ -42,6 +45,70 @@ if (!args.url || !args.prompt) {
 const timeout = Number(args['timeout-s']) * 1000;
 const [width, height] = args.viewport.split('x').map(Number);
 const emit = (event) => console.log(JSON.stringify(event));
+
+const nextAnswer = (chat) => chat.evaluate((el) => new Promise((resolve) => {
+  el.addEventListener('corolla-answer', (e) => resolve(e.detail), { once: true });
+}));
+const messageCount = (chat) => chat.evaluate((el) => el.shadowRoot.querySelectorAll('.msg').length);
+
+async function uiCheck(page, chat) {
+  const markdown = await page.evaluate(async () => {
+    const m = await import(new URL('widget.js', location.href).href);
+    const div = document.createElement('div');
+    m.renderMarkdown(div, 'Hi **there** <img src=x onerror="window.__xss=1">\n\n' +
+      '```js\nlet a = 1;\n```\n- one\n- two\n\n[link](https://example.org) `x`');
+    return {
+      imgs: div.querySelectorAll('img').length,
+      code: div.querySelector('.code pre code')?.textContent ?? null,
+      copy: !!div.querySelector('.code .copy'),
+      strong: div.querySelector('strong')?.textContent ?? null,
+      items: div.querySelectorAll('li').length,
+      link: div.querySelector('a')?.getAttribute('href') ?? null,
+      raw_html_as_text: div.textContent.includes('<img src=x'),
+    };
+  });
+  emit({ event: 'markdown', ...markdown });
+
+  let answer = nextAnswer(chat);
+  await page.locator('corolla-chat .regenerate').click();
+  emit({ event: 'regenerated', result: await answer });
+
+  const beforeEdit = await messageCount(chat);
+  await page.locator('corolla-chat .msg.user .edit').last().click();
+  const editing = await chat.evaluate((el) => el.shadowRoot.querySelector('#input').value);
+  emit({ event: 'edit', input: editing, before: beforeEdit, after: await messageCount(chat) });
+  await page.locator('corolla-chat #input').fill(`${editing} Answer in one word.`);
+  answer = nextAnswer(chat);
+  await page.locator('corolla-chat #send').click();
+  emit({ event: 'edited', result: await answer });
+
+  const kept = await messageCount(chat);
+  await page.reload();
+  await page.waitForFunction(() => document.querySelector('corolla-chat')?.state === 'ready',
+    null, { timeout, polling: 100 });
+  emit({ event: 'restored', before: kept, after: await messageCount(chat) });
+
+  await page.locator('corolla-chat #new').click();
+  emit({
+    event: 'new_chat',
+    messages: await messageCount(chat),
+    examples: await chat.evaluate((el) => el.shadowRoot.querySelectorAll('.examples button').length),
+  });
+  if (args.screenshot) {
+    await page.emulateMedia({ colorScheme: 'dark' });
+    await page.screenshot({ path: args.screenshot.replace(/\.png$/, '-dark-empty.png'), fullPage: true });
+    await page.emulateMedia({ colorScheme: 'light' });
+  }
+  // An example prompt answers like a typed one.
+  answer = nextAnswer(chat);
+  await page.locator('corolla-chat .examples button').first().click();
+  emit({ event: 'example', result: await answer });
+  if (args.screenshot) {
+    await page.emulateMedia({ colorScheme: 'dark' });
+    await page.screenshot({ path: args.screenshot.replace(/\.png$/, '-dark.png'), fullPage: true });
+    await page.emulateMedia({ colorScheme: 'light' });
+  }
+}
 
 const profile = mkdtempSync(join(tmpdir(), 'corolla-chromium-'));
 // A fresh profile per run (Playwright wants it as the persistent context's folder).
@@ -78,7 +145,7 @@ try {
     }
   });
   page.on('pageerror', (e) => {
-    console.error(`[page error] ${e.message}`);
+    console.error(`[page error] ${e.message}\n${e.stack ?? ''}`);
     pageErrors.push(`uncaught: ${e.message}`);
   });
   await page.exposeFunction('__corollaReport', (event) => emit(event));
@@ -99,8 +166,24 @@ try {
     system: await chat.evaluate((el) => el.getAttribute('system')),
   });
 
+  // Where Send/Stop, the input and the header are, before and while answering.
+  const geometry = (selector) => chat.evaluate((el, sel) => {
+    const r = (q) => {
+      const b = el.shadowRoot.querySelector(q).getBoundingClientRect();
+      return { x: b.x, y: b.y, w: b.width, h: b.height };
+    };
+    return { button: r(sel), input: r('#input'), header: r('header') };
+  }, selector);
+  const before = await geometry('#send');
   await chat.evaluate((el) => {
     el.addEventListener('corolla-token', (e) => {
+      if (e.detail.count === 1) {
+        const r = (q) => {
+          const b = el.shadowRoot.querySelector(q).getBoundingClientRect();
+          return { x: b.x, y: b.y, w: b.width, h: b.height };
+        };
+        window.__corollaDuring ??= { button: r('#stop'), input: r('#input'), header: r('header') };
+      }
       if (e.detail.count === 1) window.__corollaReport({ event: 'token', count: 1 });
       if (e.detail.count === window.__corollaStopAt) {
         el.shadowRoot.querySelector('#stop').click();
@@ -139,6 +222,8 @@ try {
     }
     emit({ event: 'answer', result: outcome.detail });
   }
+  emit({ event: 'geometry', before, during: await page.evaluate(() => window.__corollaDuring ?? null) });
+  if (args['ui-check'] && !failed) await uiCheck(page, chat);
   // Wider than the viewport means sideways scrolling: unusable on a phone.
   emit({
     event: 'layout',

@@ -158,6 +158,120 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
     assert_route_covers(&answer, 30);
 }
 
+/// Nothing moves when an answer starts: Stop takes Send's place, the input
+/// keeps its size, and the header stays one line.
+fn assert_steady_layout(run: &PageRun) {
+    let g = run
+        .events
+        .iter()
+        .find(|e| e["event"] == "geometry")
+        .unwrap_or_else(|| panic!("no geometry: {:?}", run.events));
+    let (before, during) = (&g["before"], &g["during"]);
+    assert!(during.is_object(), "no geometry while answering: {g}");
+    for (part, field) in [
+        ("button", "x"),
+        ("button", "y"),
+        ("button", "h"),
+        ("input", "y"),
+        ("input", "h"),
+        ("header", "h"),
+    ] {
+        let (a, b) = (
+            before[part][field].as_f64().unwrap(),
+            during[part][field].as_f64().unwrap(),
+        );
+        assert!(
+            (a - b).abs() < 1.0,
+            "{part}.{field} moved from {a} to {b}: {g}"
+        );
+    }
+    let header = before["header"]["h"].as_f64().unwrap();
+    assert!(header < 56.0, "the header wraps ({header} px high): {g}");
+}
+
+fn event<'a>(run: &'a PageRun, name: &str) -> &'a Value {
+    run.events
+        .iter()
+        .find(|e| e["event"] == name)
+        .unwrap_or_else(|| panic!("no {name} event: {:?}\n{}", run.events, run.stderr))
+}
+
+#[test]
+fn chat_page_renders_markdown_regenerates_edits_and_keeps_the_conversation() {
+    let _one = serial();
+    let Some(model) = default_model() else { return };
+    let Some(mut swarm) = ready("chat page features") else {
+        return;
+    };
+    swarm.start_page_server(&model, 0, 30, &[]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let bootstrap = swarm.servers[0].tcp_addr();
+    let run = run_page_with(
+        &format!("{http}/?transport=websocket"),
+        &[FRANCE, "And of Germany?"],
+        24,
+        "chat-page-features",
+        &["--ui-check"],
+        || {},
+    );
+    let answer = first_answer(&run);
+    assert_same_tokens(&answer, &native_chat(&model, &bootstrap, FRANCE, None, 24));
+    assert_steady_layout(&run);
+
+    let md = event(&run, "markdown");
+    assert_eq!(md["imgs"], 0, "model output became HTML: {md}");
+    assert_eq!(md["raw_html_as_text"], true, "{md}");
+    assert_eq!(md["code"], "let a = 1;", "{md}");
+    assert_eq!(md["copy"], true);
+    assert_eq!(md["strong"], "there");
+    assert_eq!(md["items"], 2);
+    assert_eq!(md["link"], "https://example.org");
+
+    // Regenerate asks the same conversation again: the sessions already held
+    // all of its prompt but the last token.
+    let second = &run.answers()[1];
+    let regenerated = &event(&run, "regenerated")["result"];
+    assert_eq!(regenerated["prompt_ids"], second["prompt_ids"]);
+    let prompt_len = ids(&regenerated["prompt_ids"]).len() as u64;
+    assert_eq!(
+        regenerated["reused_tokens"],
+        prompt_len - 1,
+        "{regenerated}"
+    );
+    assert_ne!(
+        regenerated["seed"], second["seed"],
+        "a fresh seed per answer"
+    );
+
+    // Edit the last question: it goes back to the input with its answer gone,
+    // and the edited question reuses the first turn's positions.
+    let edit = event(&run, "edit");
+    assert_eq!(edit["input"], "And of Germany?");
+    assert_eq!(
+        edit["after"].as_u64().unwrap() + 2,
+        edit["before"].as_u64().unwrap()
+    );
+    let edited = &event(&run, "edited")["result"];
+    let first_turn = ids(&answer["prompt_ids"]).len() as u64;
+    assert!(
+        edited["reused_tokens"].as_u64().unwrap() >= first_turn,
+        "{edited}"
+    );
+
+    let restored = event(&run, "restored");
+    assert_eq!(restored["before"], 4);
+    assert_eq!(restored["after"], 4, "the reload lost the conversation");
+    let new_chat = event(&run, "new_chat");
+    assert_eq!(new_chat["messages"], 0);
+    assert!(new_chat["examples"].as_u64().unwrap() >= 1);
+    let example = &event(&run, "example")["result"];
+    assert!(!ids(&example["generated_ids"]).is_empty());
+    assert_eq!(
+        example["reused_tokens"], 0,
+        "a new chat starts new sessions"
+    );
+}
+
 fn live_sessions(http: &str) -> u64 {
     ureq::get(&format!("{http}/api/status"))
         .timeout(Duration::from_secs(5))
@@ -185,11 +299,16 @@ fn page_recovers_when_the_server_in_use_is_killed() {
         .collect();
 
     let mut killed = None;
-    let run = run_page(
+    // The browser logs its failed redials of the killed server.
+    let run = run_page_with(
         &format!("{http}/?transport=webrtc-direct"),
         &[FRANCE],
         40,
         "chat-page-recovered",
+        &[
+            "--allow-console-error",
+            "^WebSocket connection to '[^']+' failed: Error in connection establishment",
+        ],
         || {
             let in_use = replicas.iter().position(|r| live_sessions(r) > 0);
             if let Some(i) = in_use {
@@ -341,6 +460,7 @@ fn https_page_reaches_the_swarm_over_wss() {
         "the page scrolls sideways at 360 px: {:?}",
         run.events
     );
+    assert_steady_layout(&run);
     // An https page keeps the client part in the Cache API: a second visit
     // downloads none of it.
     let reload = run

@@ -59,6 +59,18 @@ async fn start(model: &str, blocks: String, join: Option<String>) -> RunningServ
         .expect("server")
 }
 
+/// `corolla demo`'s layout: three servers of a third of the blocks each;
+/// returns them and the first one's TCP address.
+async fn demo_layout(model: &str, layers: usize) -> (Vec<RunningServer>, String) {
+    let first = start(model, format!("0:{}", layers / 3), None).await;
+    let bootstrap = first.tcp_addr().expect("tcp").to_string();
+    let mut servers = vec![first];
+    for (a, b) in [(layers / 3, 2 * layers / 3), (2 * layers / 3, layers)] {
+        servers.push(start(model, format!("{a}:{b}"), Some(bootstrap.clone())).await);
+    }
+    (servers, bootstrap)
+}
+
 /// Replaces (or appends) the section headed `heading` in the report at `path`.
 fn write_section(path: &str, heading: &str, section: &str) -> anyhow::Result<()> {
     let old = std::fs::read_to_string(path).unwrap_or_else(|_| "# Benchmarks\n\n".into());
@@ -272,23 +284,14 @@ async fn bench_default_model(path: &std::path::Path, rounds: usize) -> anyhow::R
     let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
     let whole = [BlockSpan::load(&ck, 0, layers, DType::F32, &Device::Cpu)?];
     let model = path.to_string_lossy().into_owned();
-    let first = start(&model, format!("0:{}", layers / 3), None).await;
-    let bootstrap = first.tcp_addr().expect("tcp").to_string();
-    let second = start(
-        &model,
-        format!("{}:{}", layers / 3, 2 * layers / 3),
-        Some(bootstrap.clone()),
-    )
-    .await;
-    let third = start(
-        &model,
-        format!("{}:{layers}", 2 * layers / 3),
-        Some(bootstrap.clone()),
-    )
-    .await;
+    let (servers, bootstrap) = demo_layout(&model, layers).await;
     let node = connect(&[bootstrap.parse()?]).await?;
-    let mut settings =
-        SessionSettings::new(first.model(), layers, request.max_length(), WireDType::F32);
+    let mut settings = SessionSettings::new(
+        servers[0].model(),
+        layers,
+        request.max_length(),
+        WireDType::F32,
+    );
     settings.expected_blocks = Some(block_hashes(&ck, 0, layers)?);
     let (mut local_tps, mut swarm_tps) = (Vec::new(), Vec::new());
     for round in 0..rounds + 1 {
@@ -318,7 +321,7 @@ async fn bench_default_model(path: &std::path::Path, rounds: usize) -> anyhow::R
             swarm.tokens_per_second()
         );
     }
-    drop((first, second, third));
+    drop(servers);
     let (local, swarm) = (median(local_tps), median(swarm_tps));
     Ok(format!(
         "## Default model, `corolla demo`'s layout (`corolla-bench`, same run)\n\n\
@@ -526,20 +529,7 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
     let ck = Checkpoint::open(path)?.with_quantized_weights(QuantizedWeights::Auto);
     let layers = ck.config().num_hidden_layers;
     let model = path.to_string_lossy().into_owned();
-    let first = start(&model, format!("0:{}", layers / 3), None).await;
-    let bootstrap = first.tcp_addr().expect("tcp").to_string();
-    let second = start(
-        &model,
-        format!("{}:{}", layers / 3, 2 * layers / 3),
-        Some(bootstrap.clone()),
-    )
-    .await;
-    let third = start(
-        &model,
-        format!("{}:{layers}", 2 * layers / 3),
-        Some(bootstrap.clone()),
-    )
-    .await;
+    let (servers, bootstrap) = demo_layout(&model, layers).await;
     let node = connect(&[bootstrap.parse()?]).await?;
     let assistant = Assistant::swarm(&ck, DType::F32, node, SessionSettings::default())?;
     let message = |turn: usize| {
@@ -589,7 +579,7 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
         }
         eprintln!("chat round {round} done");
     }
-    drop((first, second, third));
+    drop(servers);
     let med: Vec<Vec<f64>> = ttft
         .into_iter()
         .map(|turns| turns.into_iter().map(median).collect())
