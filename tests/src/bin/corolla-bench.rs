@@ -83,7 +83,11 @@ fn write_section(path: &str, heading: &str, section: &str) -> anyhow::Result<()>
                 .map_or(old.len(), |i| start + heading.len() + i + 1);
             format!("{}{section}\n{}", &old[..start], &old[end..])
         }
-        None => format!("{}\n{section}", old.trim_end()),
+        // New sections go before the closing notes.
+        None => match old.find("\nNotes:") {
+            Some(notes) => format!("{}\n{section}\n{}", &old[..notes + 1], &old[notes + 1..]),
+            None => format!("{}\n\n{section}", old.trim_end()),
+        },
     };
     std::fs::write(path, new)?;
     Ok(())
