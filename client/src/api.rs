@@ -184,6 +184,8 @@ struct ApiError {
     status: StatusCode,
     message: String,
     code: Option<&'static str>,
+    /// Already counted in `/metrics` (where it happened, in the answer's task).
+    counted: bool,
 }
 
 impl ApiError {
@@ -192,6 +194,7 @@ impl ApiError {
             status,
             message: message.into(),
             code: None,
+            counted: false,
         }
     }
 
@@ -285,7 +288,7 @@ async fn get_model(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     state.metrics.request("models");
-    check_model(&state, &id)?;
+    check_model(&state, &id).inspect_err(|e| state.metrics.error(e.kind()))?;
     Ok(Json(model_object(&id)))
 }
 
@@ -297,7 +300,6 @@ fn check_model(state: &ApiState, model: &str) -> Result<(), ApiError> {
             format!("the model {model:?} does not exist; this API serves {ours:?}"),
         )
         .with_code("model_not_found");
-        state.metrics.error(e.kind());
         return Err(e);
     }
     Ok(())
@@ -633,9 +635,11 @@ async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSender<Progre
             })
         }
     };
-    if let Err(e) = &result {
+    let result = result.map_err(|mut e| {
         state.metrics.error(e.kind());
-    }
+        e.counted = true;
+        e
+    });
     if tx.is_closed() {
         // The client went away: free the servers' sessions now.
         conversation.close().await;
@@ -858,8 +862,7 @@ fn finish(state: &ApiState, result: Result<Response, ApiError>) -> Response {
     match result {
         Ok(response) => response,
         Err(e) => {
-            // Errors from the answer itself were counted where they happened.
-            if e.code != Some("model_not_found") {
+            if !e.counted {
                 state.metrics.error(e.kind());
             }
             e.into_response()

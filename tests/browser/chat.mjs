@@ -46,6 +46,20 @@ const timeout = Number(args['timeout-s']) * 1000;
 const [width, height] = args.viewport.split('x').map(Number);
 const emit = (event) => console.log(JSON.stringify(event));
 
+// A namespace's veth that has just come up can make Chromium abort a navigation with
+// ERR_NETWORK_CHANGED; that is the test machine settling, not the page failing: try again.
+async function navigate(go) {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await go();
+    } catch (e) {
+      if (attempt >= 3 || !String(e?.message).includes('ERR_NETWORK_CHANGED')) throw e;
+      console.error(`[chat.mjs] ${e.message.split('\n')[0]}; navigating again`);
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+    }
+  }
+}
+
 const nextAnswer = (chat) => chat.evaluate((el) => new Promise((resolve) => {
   el.addEventListener('corolla-answer', (e) => resolve(e.detail), { once: true });
 }));
@@ -83,7 +97,7 @@ async function uiCheck(page, chat) {
   emit({ event: 'edited', result: await answer });
 
   const kept = await messageCount(chat);
-  await page.reload();
+  await navigate(() => page.reload());
   await page.waitForFunction(() => document.querySelector('corolla-chat')?.state === 'ready',
     null, { timeout, polling: 100 });
   emit({ event: 'restored', before: kept, after: await messageCount(chat) });
@@ -149,7 +163,7 @@ try {
     pageErrors.push(`uncaught: ${e.message}`);
   });
   await page.exposeFunction('__corollaReport', (event) => emit(event));
-  await page.goto(args.url);
+  await navigate(() => page.goto(args.url));
 
   const chat = page.locator('corolla-chat');
   const state = await page.waitForFunction(() => {
@@ -236,7 +250,7 @@ try {
       const path = new URL(r.url()).pathname;
       if (path.startsWith('/model/') && !path.endsWith('/manifest.json')) fetched += 1;
     });
-    await page.reload();
+    await navigate(() => page.reload());
     await page.waitForFunction(() => document.querySelector('corolla-chat')?.state === 'ready',
       null, { timeout, polling: 100 });
     emit({ event: 'reload', model_files_fetched: fetched });

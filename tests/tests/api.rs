@@ -137,22 +137,39 @@ async fn the_openai_sdk_and_curl_use_a_swarm_through_the_api() {
     let Some(python) = openai_python() else {
         return;
     };
-    let extra = ["--update-period", "5s"];
+    let extra = ["--update-period", "5s", "--http-port", "0"];
     let first = start_model_server(&model, "0:10", None, &extra).await;
     let peer = first.tcp_addr().expect("tcp address").to_string();
     let second = start_model_server(&model, "10:20", Some(&peer), &extra).await;
     let third = start_model_server(&model, "20:30", Some(&peer), &extra).await;
     let third_id = third.peer_id().to_string();
     let name = first.model().to_string();
-    tokio::task::spawn_blocking(move || check_api(&model, &python, &peer, &name, &third_id))
-        .await
-        .unwrap();
+    let status: Vec<String> = [&first, &second, &third]
+        .iter()
+        .map(|s| format!("{}/api/status", s.http_url().expect("http")))
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        check_api(&model, &python, &peer, &name, &third_id, &status)
+    })
+    .await
+    .unwrap();
     for server in [first, second, third] {
         server.shutdown();
     }
 }
 
-fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str) {
+/// Sessions open on the servers whose `/api/status` URLs are given.
+fn open_sessions(status: &[String]) -> u64 {
+    status
+        .iter()
+        .map(|url| {
+            let v: Value = serde_json::from_str(&curl(&["-s", url])).expect("status json");
+            v["sessions"].as_u64().expect("sessions")
+        })
+        .sum()
+}
+
+fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, status: &[String]) {
     let model_arg = model.to_str().unwrap();
     let expected = generate_json(
         model,
@@ -293,6 +310,43 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str) {
         .collect();
     assert_eq!(text, expected_text, "{sse}");
     eprintln!("curl stream took {:?}", started.elapsed());
+
+    // A client that goes away mid-stream frees its chain on the servers.
+    let before = open_sessions(status);
+    let long = serde_json::json!({
+        "model": name, "stream": true, "temperature": 0, "max_tokens": 400,
+        "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
+    })
+    .to_string();
+    let cut = Command::new("curl")
+        .args([
+            "-sN",
+            "--max-time",
+            "3",
+            "-H",
+            &format!("Authorization: Bearer {KEY}"),
+        ])
+        .args(["-H", "Content-Type: application/json", "-d", &long])
+        .arg(format!("{}/chat/completions", api.base))
+        .output()
+        .expect("curl");
+    let partial = String::from_utf8_lossy(&cut.stdout);
+    assert!(
+        partial.contains("\"content\""),
+        "no token before the cut: {partial}"
+    );
+    assert!(
+        !partial.contains("[DONE]"),
+        "the answer ended before the cut"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while open_sessions(status) > before {
+        assert!(
+            Instant::now() < deadline,
+            "the disconnected stream's sessions stay open"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     drop(api);
 
     // Without the third server's blocks: 503 naming them, at once.
