@@ -67,7 +67,7 @@ const messageCount = (chat) => chat.evaluate((el) => el.shadowRoot.querySelector
 
 async function uiCheck(page, chat) {
   const markdown = await page.evaluate(async () => {
-    const m = await import(new URL('widget.js', location.href).href);
+    const m = await import(new URL('markdown.js', location.href).href);
     const div = document.createElement('div');
     m.renderMarkdown(div, 'Hi **there** <img src=x onerror="window.__xss=1">\n\n' +
       '```js\nlet a = 1;\n```\n- one\n- two\n\n[link](https://example.org) `x`');
