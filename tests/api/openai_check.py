@@ -139,6 +139,11 @@ def full(client, args):
             model=args.model, messages=messages, extra_body={"max_tokens": "many"}
         )
     )
+    errors["huge_max_tokens"] = status_of(
+        lambda: client.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=2**64 - 1
+        )
+    )
     errors["bad_role"] = status_of(
         lambda: client.chat.completions.create(
             model=args.model, messages=[{"role": "robot", "content": "hi"}]

@@ -254,6 +254,7 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
     assert!(too_long.contains("2048"), "the limit is named: {too_long}");
     assert_eq!(errors["wrong_type"]["status"], 400);
     assert_eq!(errors["bad_role"]["status"], 400);
+    assert_eq!(errors["huge_max_tokens"]["status"], 400, "{errors}");
     assert_eq!(errors["malformed"]["status"], 400);
     assert!(errors["malformed"]["body"]["error"]["message"]
         .as_str()

@@ -203,7 +203,8 @@ pub(super) fn job(state: &ApiState, common: Common, prompt_ids: Vec<u32>) -> Res
         Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
         None => state.settings.default_max_tokens.min(room.max(1)),
     };
-    if prompt_ids.len() + max_new_tokens > limit + 1 {
+    // `max_tokens` comes from the client: any u64, so no plain addition.
+    if prompt_ids.len().saturating_add(max_new_tokens) > limit + 1 {
         return Err(ApiError::bad_request(format!(
             "the prompt takes {} tokens; with max_tokens {max_new_tokens} that exceeds this model's limit of {limit} positions (the servers' inference_max_length and the model's context)",
             prompt_ids.len()
