@@ -844,6 +844,12 @@ export class CorollaChat extends HTMLElement {
       const line = this.#addLine(botEl, 'notice', `a server was lost; recovered in ${seconds}s`);
       line.title = `${r.failed_peer} (blocks ${r.start}..${r.end}) failed at token ${r.step}: ${r.error}`;
     }
+    const suspects = result.suspects ?? [];
+    if (suspects.length) {
+      const line = this.#addLine(botEl, 'notice',
+        `spot checks caught ${suspects.length === 1 ? 'a server' : `${suspects.length} servers`} returning wrong results; the answer used honest servers`);
+      line.title = suspects.join(', ');
+    }
   }
 
   // Servers expire idle sessions: while the conversation is on screen (and was used in the last

@@ -81,6 +81,9 @@ pub struct Answer {
     pub reused_tokens: usize,
     pub route: Option<Vec<Hop>>,
     pub recoveries: Vec<Recovery>,
+    /// Servers spot checks caught returning wrong activations (banned for
+    /// this client; the answer went on with honest results).
+    pub suspects: Vec<String>,
 }
 
 enum Chain {
@@ -317,18 +320,26 @@ impl Assistant {
             Chain::Local(local) => {
                 generate_after(&self.part.head, local, request, reused, on_token)
                     .await
-                    .map(|out| (out, None, Vec::new()))
+                    .map(|out| (out, None, Vec::new(), Vec::new()))
             }
             Chain::Remote(remote) => {
                 remote.rewind(reused);
                 let out =
                     generate_after(&self.part.head, remote.as_mut(), request, reused, on_token)
                         .await;
-                out.map(|out| (out, Some(remote.route()), remote.take_recoveries()))
+                let suspects = remote.take_suspects();
+                out.map(|out| {
+                    (
+                        out,
+                        Some(remote.route()),
+                        remote.take_recoveries(),
+                        suspects,
+                    )
+                })
             }
         };
         match result {
-            Ok((output, route, recoveries)) => {
+            Ok((output, route, recoveries, suspects)) => {
                 // The last token sampled was never fed back.
                 let fed = output.generated_ids.len().saturating_sub(1);
                 conversation.cached = prompt.clone();
@@ -341,6 +352,7 @@ impl Assistant {
                     reused_tokens: reused,
                     route,
                     recoveries,
+                    suspects,
                 })
             }
             Err(e) => {

@@ -1,5 +1,7 @@
-//! A session through remote servers, surviving their failures: the chain
-//! keeps every input each span was sent and replays it to replacements.
+//! A session through remote servers, surviving their failures and their
+//! lies: the chain keeps every input each span was sent and replays it to
+//! replacements, refuses impossible outputs, and spot-checks sampled steps
+//! against an independent witness (`crate::spot_check`).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -18,6 +20,7 @@ use web_time::Instant;
 use crate::error::ClientError;
 use crate::generate::BlockChain;
 use crate::route::Hop;
+use crate::spot_check::{agree, Referee, Schedule, Witness, WitnessError};
 use crate::swarm_view::SwarmView;
 
 /// Settings of the sessions a client opens.
@@ -44,6 +47,11 @@ pub struct SessionSettings {
     /// Flow control toward this client (see `corolla_shared::flow`): what
     /// browsers on WebRTC need; 0 for none.
     pub flow_window: u32,
+    /// The share of steps whose output is checked against an independent
+    /// witness (0: none, 1: every step).
+    pub spot_check: f64,
+    /// The client's own copy of the blocks, for a third opinion.
+    pub referee: Option<Referee>,
 }
 
 impl Default for SessionSettings {
@@ -73,6 +81,8 @@ impl SessionSettings {
             allowed_servers: None,
             blocked_servers: HashSet::new(),
             flow_window: 0,
+            spot_check: 0.0,
+            referee: None,
         }
     }
 }
@@ -101,22 +111,60 @@ struct HopState {
     end: usize,
     sessions: Vec<(Hop, RemoteSession)>,
     history: Vec<(u32, TensorPayload)>,
+    /// Spot checks' independent computation of these blocks, and how many
+    /// entries of `history` it has been fed.
+    witness: Option<(Witness, usize)>,
 }
 
+impl HopState {
+    fn new(hop: Hop, session: RemoteSession) -> Self {
+        HopState {
+            start: hop.start,
+            end: hop.end,
+            sessions: vec![(hop, session)],
+            history: Vec::new(),
+            witness: None,
+        }
+    }
+
+    fn peers(&self) -> Vec<String> {
+        self.sessions
+            .iter()
+            .map(|(h, _)| h.peer_id.clone())
+            .collect()
+    }
+}
+
+/// Runs `input` through `sessions` in turn; one-position steps are timed
+/// into `view`, which routes by what the client measured.
 async fn run_sessions(
+    view: &SwarmView,
     sessions: &mut [(Hop, RemoteSession)],
     start: u32,
     input: &TensorPayload,
 ) -> Result<TensorPayload, SessionError> {
-    let mut rest = sessions.iter_mut();
-    let Some((_, first)) = rest.next() else {
-        return Ok(input.clone());
-    };
-    let mut x = first.step(start, input).await?;
-    for (_, s) in rest {
+    let decode = input.shape.get(1) == Some(&1);
+    let mut x = input.clone();
+    for (hop, s) in sessions.iter_mut() {
+        let started = Instant::now();
         x = s.step(start, &x).await?;
+        if decode {
+            view.record_step(
+                &hop.peer_id,
+                started.elapsed().as_secs_f64(),
+                hop.end - hop.start,
+            );
+        }
     }
     Ok(x)
+}
+
+/// What a failed session says, without the peer's name (the caller adds it).
+fn failure_reason(e: &SessionError) -> String {
+    match e {
+        SessionError::Remote { message, .. } => message.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// A block chain whose spans run on remote servers. When a server fails
@@ -131,6 +179,9 @@ pub struct RemoteChain {
     device: Device,
     hops: Vec<HopState>,
     recoveries: Vec<Recovery>,
+    /// Servers spot checks caught returning wrong activations.
+    suspects: Vec<String>,
+    schedule: Schedule,
     steps: usize,
     last_step_at: Instant,
 }
@@ -157,12 +208,15 @@ impl RemoteChain {
         settings: SessionSettings,
         device: &Device,
     ) -> Result<Self, ClientError> {
+        let schedule = Schedule::new(settings.spot_check);
         let mut chain = RemoteChain {
             view: view.clone(),
             settings,
             device: device.clone(),
             hops: Vec::new(),
             recoveries: Vec::new(),
+            suspects: Vec::new(),
+            schedule,
             steps: 0,
             last_step_at: Instant::now(),
         };
@@ -175,12 +229,7 @@ impl RemoteChain {
                     chain.hops = route
                         .into_iter()
                         .zip(sessions)
-                        .map(|(hop, session)| HopState {
-                            start: hop.start,
-                            end: hop.end,
-                            sessions: vec![(hop, session)],
-                            history: Vec::new(),
-                        })
+                        .map(|(hop, session)| HopState::new(hop, session))
                         .collect();
                     break;
                 }
@@ -189,7 +238,9 @@ impl RemoteChain {
                 Err(ClientError::Session(e)) if attempts < chain.settings.max_retries => {
                     attempts += 1;
                     tracing::debug!(error = %e, "cannot open a session; routing around that server");
-                    chain.view.ban(&e.peer().to_string());
+                    chain
+                        .view
+                        .ban_for(&e.peer().to_string(), &failure_reason(&e));
                 }
                 Err(e) => return Err(e),
             }
@@ -214,6 +265,11 @@ impl RemoteChain {
         std::mem::take(&mut self.recoveries)
     }
 
+    /// Servers caught by spot checks so far, leaving none behind.
+    pub fn take_suspects(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.suspects)
+    }
+
     /// Positions the sessions were opened for.
     pub fn capacity(&self) -> usize {
         self.settings.max_length
@@ -227,6 +283,10 @@ impl RemoteChain {
             if let Some((start, input)) = hop.history.last_mut() {
                 input.truncate_axis1(len - *start as usize);
             }
+            // The witness saw the cut entry whole; later steps overwrite it.
+            if let Some((_, fed)) = &mut hop.witness {
+                *fed = (*fed).min(hop.history.len());
+            }
         }
     }
 
@@ -237,7 +297,12 @@ impl RemoteChain {
     pub async fn keep_alive(&mut self) -> Result<(), SessionError> {
         for hop in &mut self.hops {
             if let Some((start, input)) = hop.history.last() {
-                run_sessions(&mut hop.sessions, *start, input).await?;
+                run_sessions(&self.view, &mut hop.sessions, *start, input).await?;
+                if let Some((witness, _)) = &mut hop.witness {
+                    if witness.step(*start, input).await.is_err() {
+                        hop.witness = None;
+                    }
+                }
             }
         }
         self.last_step_at = Instant::now();
@@ -248,6 +313,9 @@ impl RemoteChain {
         for hop in self.hops {
             for (_, s) in hop.sessions {
                 s.close().await;
+            }
+            if let Some((witness, _)) = hop.witness {
+                witness.close().await;
             }
         }
     }
@@ -336,7 +404,7 @@ impl RemoteChain {
         let started = Instant::now();
         let failed = error.peer().to_string();
         tracing::warn!(peer = %failed, %error, "server failed; finding a replacement");
-        self.view.ban(&failed);
+        self.view.ban_for(&failed, &failure_reason(error));
         let (from, to) = (self.hops[index].start, self.hops[index].end);
         let mut attempts = 0;
         loop {
@@ -363,7 +431,8 @@ impl RemoteChain {
                 Err(e) => {
                     tracing::warn!(error = %e, "replacement failed too");
                     if let ClientError::Session(se) = &e {
-                        self.view.ban(&se.peer().to_string());
+                        self.view
+                            .ban_for(&se.peer().to_string(), &failure_reason(se));
                     }
                     if attempts > self.settings.max_retries {
                         return Err(e);
@@ -403,7 +472,7 @@ impl RemoteChain {
         let history = std::mem::take(&mut self.hops[index].history);
         let mut replayed = Ok(());
         for (start, input) in &history {
-            if let Err(e) = run_sessions(&mut sessions, *start, input).await {
+            if let Err(e) = run_sessions(&self.view, &mut sessions, *start, input).await {
                 replayed = Err(e);
                 break;
             }
@@ -411,6 +480,187 @@ impl RemoteChain {
         self.hops[index].history = history;
         replayed?;
         Ok(sessions)
+    }
+
+    /// Checks `primary`, hop `index`'s output for `input`, against a
+    /// witness. Returns the output to go on with; `Err` names a primary
+    /// server found lying (the caller replaces it and repeats the step).
+    async fn spot_check(
+        &mut self,
+        index: usize,
+        start: u32,
+        input: &TensorPayload,
+        primary: TensorPayload,
+    ) -> Result<TensorPayload, SessionError> {
+        let primary_peers = self.hops[index].peers();
+        let Some(witnessed) = self
+            .witness_output(index, start, input, &primary_peers)
+            .await
+        else {
+            return Ok(primary);
+        };
+        if agree(&primary, &witnessed) {
+            return Ok(primary);
+        }
+        let witness_peers = self.hops[index]
+            .witness
+            .as_ref()
+            .map(|(w, _)| w.peers())
+            .unwrap_or_default();
+        tracing::warn!(
+            primary = ?primary_peers,
+            witness = ?witness_peers,
+            "spot check: outputs differ; asking a third opinion"
+        );
+        let exclude: HashSet<String> = primary_peers
+            .iter()
+            .chain(&witness_peers)
+            .cloned()
+            .collect();
+        let referee_is_witness = witness_peers.is_empty();
+        let third = self
+            .third_opinion(index, start, input, &exclude, referee_is_witness)
+            .await;
+        let Some(third) = third else {
+            tracing::warn!("spot check undecided: no third opinion to be had");
+            self.suspect(&primary_peers);
+            self.suspect(&witness_peers);
+            return Ok(primary);
+        };
+        match (agree(&third, &primary), agree(&third, &witnessed)) {
+            (true, false) => {
+                // The witness lied; the next check finds another.
+                self.suspect(&witness_peers);
+                if let Some((w, _)) = self.hops[index].witness.take() {
+                    w.close().await;
+                }
+                Ok(primary)
+            }
+            (false, true) => {
+                self.suspect(&primary_peers);
+                let liar = primary_peers
+                    .first()
+                    .and_then(|p| p.parse().ok())
+                    .unwrap_or(libp2p::PeerId::random());
+                Err(SessionError::Caught { peer: liar })
+            }
+            _ => {
+                tracing::warn!("spot check undecided: three different outputs");
+                self.suspect(&primary_peers);
+                self.suspect(&witness_peers);
+                Ok(primary)
+            }
+        }
+    }
+
+    fn suspect(&mut self, peers: &[String]) {
+        for peer in peers {
+            self.view
+                .ban_for(peer, "returned wrong activations (spot check)");
+            if !self.suspects.contains(peer) {
+                self.suspects.push(peer.clone());
+            }
+        }
+    }
+
+    /// The witness's output for `input`, after feeding it what it has not
+    /// seen of the history; a witness is found first when there is none:
+    /// other servers of the hop's blocks, else the client's own copy.
+    async fn witness_output(
+        &mut self,
+        index: usize,
+        start: u32,
+        input: &TensorPayload,
+        primary_peers: &[String],
+    ) -> Option<TensorPayload> {
+        // A recovery may have moved the hop onto the witness's servers.
+        if let Some((w, _)) = &self.hops[index].witness {
+            if w.peers().iter().any(|p| primary_peers.contains(p)) {
+                if let Some((w, _)) = self.hops[index].witness.take() {
+                    w.close().await;
+                }
+            }
+        }
+        if self.hops[index].witness.is_none() {
+            let exclude: HashSet<String> = primary_peers.iter().cloned().collect();
+            let witness = self.new_witness(index, &exclude, true).await?;
+            self.hops[index].witness = Some((witness, 0));
+        }
+        let hop = &mut self.hops[index];
+        let (witness, fed) = hop.witness.as_mut()?;
+        let fed_before = *fed;
+        let result = match witness.replay(&hop.history[fed_before..]).await {
+            Ok(_) => witness.step(start, input).await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(out) => {
+                *fed = hop.history.len() + 1;
+                Some(out)
+            }
+            Err(e) => {
+                match e {
+                    WitnessError::Server(e) => tracing::debug!(error = %e, "a witness failed"),
+                    WitnessError::Local(e) => {
+                        tracing::warn!(error = %e, "the client's own check failed")
+                    }
+                }
+                if let Some((w, _)) = hop.witness.take() {
+                    w.close().await;
+                }
+                None
+            }
+        }
+    }
+
+    /// A witness for hop `index` that uses none of `exclude`: other servers
+    /// (when the view has them), else the referee when `referee` allows.
+    async fn new_witness(
+        &mut self,
+        index: usize,
+        exclude: &HashSet<String>,
+        referee: bool,
+    ) -> Option<Witness> {
+        let (from, to) = (self.hops[index].start, self.hops[index].end);
+        if let Some(route) = self
+            .view
+            .plan_excluding(from, to, self.settings.max_length, exclude)
+        {
+            match self.open_all(&route).await {
+                Ok(sessions) => {
+                    return Some(Witness::Servers(route.into_iter().zip(sessions).collect()))
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot open a witness"),
+            }
+        }
+        let referee = self.settings.referee.as_ref().filter(|_| referee)?;
+        match Witness::local(referee, (from, to), self.settings.max_length) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot check servers with the client's own blocks");
+                None
+            }
+        }
+    }
+
+    /// A third computation of `input` on hop `index`, from scratch.
+    async fn third_opinion(
+        &mut self,
+        index: usize,
+        start: u32,
+        input: &TensorPayload,
+        exclude: &HashSet<String>,
+        referee_used: bool,
+    ) -> Option<TensorPayload> {
+        let mut third = self.new_witness(index, exclude, !referee_used).await?;
+        let history = std::mem::take(&mut self.hops[index].history);
+        let out = match third.replay(&history).await {
+            Ok(_) => third.step(start, input).await.ok(),
+            Err(_) => None,
+        };
+        self.hops[index].history = history;
+        third.close().await;
+        out
     }
 }
 
@@ -421,14 +671,29 @@ impl BlockChain for RemoteChain {
         let mut after_pause = self.last_step_at.elapsed() > IDLE_BEFORE_EXPIRY_SUSPECTED;
         for index in 0..self.hops.len() {
             loop {
-                match run_sessions(&mut self.hops[index].sessions, start as u32, &payload).await {
+                let outcome = match run_sessions(
+                    &self.view,
+                    &mut self.hops[index].sessions,
+                    start as u32,
+                    &payload,
+                )
+                .await
+                {
+                    Ok(out) if self.schedule.check_now() => {
+                        self.spot_check(index, start as u32, &payload, out).await
+                    }
+                    other => other,
+                };
+                match outcome {
                     Ok(out) => {
                         let input = std::mem::replace(&mut payload, out);
                         self.hops[index].history.push((start as u32, input));
                         break;
                     }
                     Err(e) => {
+                        let caught = matches!(e, SessionError::Caught { .. });
                         if std::mem::take(&mut after_pause)
+                            && !caught
                             && self.reopen_expired(index, &e, start).await
                         {
                             continue;

@@ -563,6 +563,8 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         max_retries: 8,
         allowed_servers: Vec::new(),
         blocked_servers: Vec::new(),
+        allowed_peers: Vec::new(),
+        spot_check: 0.05,
     };
     let model = ModelArgs {
         model: Some(path),

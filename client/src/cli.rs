@@ -21,9 +21,12 @@ use crate::chain::{Recovery, SessionSettings};
 use crate::chat::ChatMessage;
 use crate::generate::GenerateRequest;
 use crate::models::{DEFAULT_INDEX, DEFAULT_MODEL};
-use crate::network::connect;
+use crate::network::{connect, connect_with};
 use crate::route::{uncovered_blocks, Hop};
+use crate::spot_check::Referee;
 use crate::text::TextStream;
+use corolla_shared::peers::parse_peer_list;
+use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -97,6 +100,22 @@ pub(crate) struct SwarmArgs {
     /// Never use these servers (peer ids).
     #[arg(long, num_args = 1.., value_delimiter = ',')]
     pub blocked_servers: Vec<String>,
+    /// A private swarm: the only peers spoken to (peer ids, comma-separated,
+    /// or files of one per line); others are refused and their records ignored.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    pub allowed_peers: Vec<String>,
+    /// Share of steps whose output is also computed by an independent
+    /// replica (or this client, when --model holds the blocks) and compared;
+    /// a server caught lying is banned and the answer goes on honestly.
+    #[arg(long, default_value_t = 0.05, value_parser = parse_rate)]
+    pub spot_check: f64,
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a rate between 0 and 1")),
+    }
 }
 
 fn parse_seconds(s: &str) -> Result<Duration, String> {
@@ -325,6 +344,9 @@ struct GenerateJson<'a> {
     route: Option<&'a [Hop]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     recoveries: Option<&'a [Recovery]>,
+    /// Servers spot checks caught returning wrong activations.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    suspects: Option<&'a [String]>,
 }
 
 /// Which model to answer with, and where its blocks run.
@@ -352,13 +374,18 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
         bail!("pass --initial-peers to run through a swarm, or --local to run the whole model in this process");
     }
     let path = args.path()?;
-    let checkpoint = open_checkpoint(&path)?.with_quantized_weights(args.quantized);
+    let checkpoint = Arc::new(open_checkpoint(&path)?.with_quantized_weights(args.quantized));
     let dtype = args.dtype.resolve(checkpoint.config(), &Device::Cpu);
     let assistant = if local {
         Assistant::local(&checkpoint, dtype)?
     } else {
-        let node = connect(&swarm.initial_peers).await?;
-        Assistant::swarm(&checkpoint, dtype, node, swarm.session_settings())?
+        let allowed = parse_peer_list(&swarm.allowed_peers).map_err(anyhow::Error::msg)?;
+        let node = connect_with(&swarm.initial_peers, allowed).await?;
+        let mut settings = swarm.session_settings();
+        if settings.spot_check > 0.0 {
+            settings.referee = Referee::new(checkpoint.clone(), dtype, Device::Cpu);
+        }
+        Assistant::swarm(&checkpoint, dtype, node, settings)?
     };
     Ok(assistant)
 }
@@ -374,6 +401,7 @@ impl SwarmArgs {
             allowed_servers: (!self.allowed_servers.is_empty())
                 .then(|| self.allowed_servers.iter().cloned().collect()),
             blocked_servers: self.blocked_servers.iter().cloned().collect(),
+            spot_check: self.spot_check,
             ..SessionSettings::default()
         }
     }
@@ -424,6 +452,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         output,
         route,
         recoveries,
+        suspects,
         ..
     } = answer;
     if let Some(e) = print_error {
@@ -442,11 +471,18 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             stop_reason: output.stop_reason,
             dtype: format!("{:?}", assistant.dtype()).to_lowercase(),
             recoveries: route.as_ref().map(|_| recoveries.as_slice()),
+            suspects: route.as_ref().map(|_| suspects.as_slice()),
             route: route.as_deref(),
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {
         writeln!(stdout)?;
+        if !suspects.is_empty() {
+            eprintln!(
+                "spot checks caught {} returning wrong activations; banned, the answer used honest servers",
+                suspects.join(", ")
+            );
+        }
         eprintln!(
             "{} tokens, {:.1} tokens/s ({:?})",
             output.generated_ids.len(),

@@ -24,6 +24,15 @@ pub enum ClientError {
     BadRequest(String),
     #[error("no server covers blocks {}", format_ranges(.uncovered))]
     NoRoute { uncovered: Vec<(usize, usize)> },
+    /// Servers exist for the blocks, but each refused or failed.
+    #[error("no server can serve blocks {}: {}", format_ranges(.uncovered), .reasons.join("; "))]
+    Refused {
+        uncovered: Vec<(usize, usize)>,
+        /// `peer (blocks a..b): why`, one per server.
+        reasons: Vec<String>,
+    },
+    #[error("spot checks found wrong activations and no honest server is left for blocks {start}..{end}")]
+    NoHonestServer { start: usize, end: usize },
     #[error("network: {0}")]
     Network(String),
     #[error(transparent)]

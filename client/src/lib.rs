@@ -18,6 +18,7 @@ pub mod generate;
 pub mod gguf_tokenizer;
 pub mod local;
 pub mod route;
+pub mod spot_check;
 pub mod stop;
 pub mod swarm_view;
 pub mod text;

@@ -1,26 +1,35 @@
 //! Joining the swarm from a native client: a DHT client node dialed into
 //! the bootstrap peers, its event loop spawned on tokio.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
+use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::native::build_swarm;
 use corolla_shared::node::{Node, NodeHandle};
 use libp2p::multiaddr::Protocol;
-use libp2p::Multiaddr;
+use libp2p::{Multiaddr, PeerId};
 
 use crate::error::ClientError;
 
-/// Starts a client node and dials `bootstrap` (multiaddrs ending in `/p2p/<id>`).
+/// How long reaching one bootstrap peer may take.
+const BOOTSTRAP_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Starts a client node and dials `bootstrap` (multiaddrs ending in
+/// `/p2p/<id>`); fails, naming each peer and why, when none is reachable.
 pub async fn connect(bootstrap: &[Multiaddr]) -> Result<NodeHandle, ClientError> {
+    connect_with(bootstrap, None).await
+}
+
+/// [`connect`] in a private swarm: only `allowed_peers` are spoken to.
+pub async fn connect_with(
+    bootstrap: &[Multiaddr],
+    allowed_peers: Option<HashSet<PeerId>>,
+) -> Result<NodeHandle, ClientError> {
     if bootstrap.is_empty() {
         return Err(ClientError::Network("no --initial-peers given".into()));
     }
-    let key = libp2p::identity::Keypair::generate_ed25519();
-    let swarm = build_swarm(key, Duration::from_secs(60), None)
-        .await
-        .map_err(|e| ClientError::Network(e.to_string()))?;
-    let (mut node, handle, _events) = Node::new(swarm);
-    node.client_dht();
+    let mut peers = Vec::with_capacity(bootstrap.len());
     for addr in bootstrap {
         let mut base = addr.clone();
         let Some(Protocol::P2p(peer)) = base.pop() else {
@@ -28,14 +37,40 @@ pub async fn connect(bootstrap: &[Multiaddr]) -> Result<NodeHandle, ClientError>
                 "initial peer {addr} must end in /p2p/<peer id>"
             )));
         };
-        let swarm = node.swarm_mut();
-        swarm.behaviour_mut().kad.add_address(&peer, base.clone());
-        swarm.add_peer_address(peer, base);
-        if let Err(e) = swarm.dial(peer) {
-            tracing::warn!(%peer, error = %e, "cannot dial an initial peer");
-        }
+        peers.push((peer, base));
     }
-    let _ = node.swarm_mut().behaviour_mut().kad.bootstrap();
+    let key = libp2p::identity::Keypair::generate_ed25519();
+    let limits = NetworkLimits::client().with_allowed_peers(allowed_peers.clone());
+    let swarm = build_swarm(key, Duration::from_secs(60), &limits, None)
+        .await
+        .map_err(|e| ClientError::Network(e.to_string()))?;
+    let (mut node, handle, _events) = Node::new(swarm);
+    node.client_dht();
+    node.allow_only(allowed_peers);
+    for (peer, base) in &peers {
+        let swarm = node.swarm_mut();
+        swarm.behaviour_mut().kad.add_address(peer, base.clone());
+        swarm.add_peer_address(*peer, base.clone());
+    }
     tokio::spawn(node.run());
+    let dials = peers.iter().map(|(peer, base)| {
+        let handle = handle.clone();
+        async move {
+            handle
+                .dial(*peer, vec![base.clone()], BOOTSTRAP_DIAL_TIMEOUT)
+                .await
+                .map_err(|e| format!("{base}/p2p/{peer}: {e}"))
+        }
+    });
+    let outcomes = futures::future::join_all(dials).await;
+    if outcomes.iter().all(Result::is_err) {
+        let why: Vec<String> = outcomes.into_iter().filter_map(Result::err).collect();
+        return Err(ClientError::Network(format!(
+            "cannot reach the bootstrap peer{} {}",
+            if why.len() == 1 { "" } else { "s" },
+            why.join("; ")
+        )));
+    }
+    handle.bootstrap().await?;
     Ok(handle)
 }

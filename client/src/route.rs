@@ -52,6 +52,10 @@ pub struct RouteCosts {
     pub rtt: HashMap<String, f64>,
     /// Tokens of cache a session needs; servers with less are penalised.
     pub max_length: usize,
+    /// Moving average of the decode-step time the client measured, per block
+    /// a server ran, in seconds, by peer id: once known, it replaces what the
+    /// server announced (and its round trip, which it includes).
+    pub measured_step: HashMap<String, f64>,
 }
 
 /// Assumed round trip for a server not measured yet.
@@ -67,15 +71,20 @@ impl RouteCosts {
 
     /// Expected seconds per step for running blocks `start..end` on `r`.
     fn hop_cost(&self, r: &ServerRecord, start: usize, end: usize) -> f64 {
-        let rtt = self.rtt.get(&r.peer_id).copied().unwrap_or(DEFAULT_RTT);
-        let span = (r.end - r.start).max(1) as f64;
-        let compute = (end - start) as f64 / (r.throughput.max(1e-9) * span);
+        let expected = match self.measured_step.get(&r.peer_id) {
+            Some(per_block) => per_block * (end - start) as f64,
+            None => {
+                let rtt = self.rtt.get(&r.peer_id).copied().unwrap_or(DEFAULT_RTT);
+                let span = (r.end - r.start).max(1) as f64;
+                rtt + (end - start) as f64 / (r.throughput.max(1e-9) * span)
+            }
+        };
         let penalty = if (r.cache_tokens_left as usize) < self.max_length {
             SHORT_OF_CACHE_PENALTY
         } else {
             0.0
         };
-        rtt + compute + penalty
+        expected + penalty
     }
 }
 
@@ -203,6 +212,8 @@ mod tests {
             dtype: "f32".into(),
             version: "0".into(),
             addresses: vec![],
+            published_at_ms: 0,
+            leaving: false,
         }
     }
 
@@ -271,6 +282,24 @@ mod tests {
                 end: 5
             }]
         );
+    }
+
+    #[test]
+    fn measured_step_times_beat_announced_speed() {
+        let mut liar = record("a", 0, 8);
+        liar.throughput = 1e9;
+        let records = vec![liar, record("b", 0, 8)];
+        let first = |costs: &RouteCosts| {
+            plan_route_between(&records, 0, 8, costs).unwrap()[0]
+                .peer_id
+                .clone()
+        };
+        let mut costs = RouteCosts::default();
+        assert_eq!(first(&costs), "a");
+        // What the client saw: a's steps take 0.5 s a block, b's 0.01 s.
+        costs.measured_step.insert("a".into(), 0.5);
+        costs.measured_step.insert("b".into(), 0.01);
+        assert_eq!(first(&costs), "b");
     }
 
     #[test]

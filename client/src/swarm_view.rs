@@ -56,6 +56,10 @@ struct ViewState {
     refreshed_at: Option<Instant>,
     /// Moving averages of round trips, in seconds, by peer id.
     rtt: HashMap<String, f64>,
+    /// Moving averages of measured decode-step seconds per block, by peer id.
+    step_per_block: HashMap<String, f64>,
+    /// The last refusal or failure of each server, for error messages.
+    last_failure: HashMap<String, String>,
     /// Peer id -> (failures so far, banned until).
     bans: HashMap<String, (u32, Instant)>,
     refreshing: bool,
@@ -236,22 +240,33 @@ impl SwarmView {
     ) -> Result<Vec<Hop>, ClientError> {
         let deadline = Instant::now() + patience;
         let mut just_refreshed = false;
+        // Every server of a block having refused is a final answer only
+        // once a fresh lookup found no other.
+        let mut looked_up = false;
         if self.state().refreshed_at.is_none() {
             self.refresh().await;
             just_refreshed = true;
+            looked_up = true;
         }
         loop {
-            let costs = RouteCosts {
-                rtt: self.state().rtt.clone(),
-                max_length,
+            let costs = {
+                let state = self.state();
+                RouteCosts {
+                    rtt: state.rtt.clone(),
+                    max_length,
+                    measured_step: state.step_per_block.clone(),
+                }
             };
             match plan_route_between(&self.usable_servers(), from, to, &costs) {
                 Ok(route) => return Ok(route),
-                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(e) if Instant::now() >= deadline || looked_up && self.all_refused(from, to) => {
+                    return Err(self.explain(e, from, to))
+                }
                 // What the view knows does not do: look the swarm up now.
                 Err(_) if !just_refreshed => {
                     self.refresh().await;
                     just_refreshed = true;
+                    looked_up = true;
                 }
                 Err(_) => {
                     corolla_shared::node::sleep(Duration::from_millis(300)).await;
@@ -259,6 +274,88 @@ impl SwarmView {
                 }
             }
         }
+    }
+
+    /// A route for `from..to` from what the view knows now, using none of
+    /// `exclude` (spot checks want independent servers).
+    pub fn plan_excluding(
+        &self,
+        from: usize,
+        to: usize,
+        max_length: usize,
+        exclude: &HashSet<String>,
+    ) -> Option<Vec<Hop>> {
+        let servers: Vec<ServerRecord> = self
+            .usable_servers()
+            .into_iter()
+            .filter(|r| !exclude.contains(&r.peer_id))
+            .collect();
+        let costs = {
+            let state = self.state();
+            RouteCosts {
+                rtt: state.rtt.clone(),
+                max_length,
+                measured_step: state.step_per_block.clone(),
+            }
+        };
+        plan_route_between(&servers, from, to, &costs).ok()
+    }
+
+    /// Folds a measured decode step of `blocks` blocks on `peer` into its average.
+    pub fn record_step(&self, peer: &str, seconds: f64, blocks: usize) {
+        let per_block = seconds / blocks.max(1) as f64;
+        update_rtt_average(&mut self.state().step_per_block, peer, per_block);
+    }
+
+    /// Whether every known server of some block in `from..to` is banned
+    /// after a failure: waiting for the lookup's patience would not help.
+    fn all_refused(&self, from: usize, to: usize) -> bool {
+        let state = self.state();
+        (from..to).any(|block| {
+            let mut servers = state
+                .records
+                .iter()
+                .filter(|r| (r.start as usize..r.end as usize).contains(&block))
+                .peekable();
+            servers.peek().is_some()
+                && servers.all(|r| {
+                    state.banned(&r.peer_id) && state.last_failure.contains_key(&r.peer_id)
+                })
+        })
+    }
+
+    /// `error` with the last refusal of each server that could have served
+    /// `from..to`: "busy: 16/16 sessions", "max_length 300 exceeds 256", ….
+    fn explain(&self, error: ClientError, from: usize, to: usize) -> ClientError {
+        let state = self.state();
+        let mut reasons: Vec<String> = state
+            .records
+            .iter()
+            .filter(|r| (r.start as usize) < to && (r.end as usize) > from)
+            .filter_map(|r| {
+                let why = state.last_failure.get(&r.peer_id)?;
+                Some(format!(
+                    "{} (blocks {}..{}): {why}",
+                    r.peer_id, r.start, r.end
+                ))
+            })
+            .collect();
+        reasons.sort();
+        reasons.dedup();
+        match error {
+            ClientError::NoRoute { uncovered } if !reasons.is_empty() => {
+                ClientError::Refused { uncovered, reasons }
+            }
+            other => other,
+        }
+    }
+
+    /// Bans `peer` after `why`, kept for error messages; see [`Self::ban`].
+    pub fn ban_for(&self, peer: &str, why: &str) {
+        self.state()
+            .last_failure
+            .insert(peer.to_string(), why.to_string());
+        self.ban(peer);
     }
 
     /// Bans `peer` with exponential backoff (4 s, 8 s, … at most 5 min) and

@@ -575,6 +575,22 @@ impl Checkpoint {
         }
     }
 
+    /// Whether every layer of `start..end` has weights here (named in the
+    /// index, in files present on disk or in memory).
+    pub fn has_layers(&self, start: usize, end: usize) -> bool {
+        let files = self.files_for_layers(start, end);
+        let present = |file: &String| {
+            self.single_file.is_some()
+                || self.side_files.is_some()
+                    && self.files.lock().is_ok_and(|f| f.contains_key(file))
+                || self.dir.join(file).is_file()
+        };
+        (start..end).all(|i| {
+            let prefix = format!("model.layers.{i}.");
+            self.weight_map.keys().any(|name| name.starts_with(&prefix))
+        }) && files.iter().all(present)
+    }
+
     pub fn check_layer_range(&self, start: usize, end: usize) -> Result<()> {
         let num_layers = self.config.num_hidden_layers;
         if start >= end || end > num_layers {

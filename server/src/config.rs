@@ -146,9 +146,37 @@ pub struct ServerArgs {
     /// Adds a fixed delay to every step (for tests of routing around slow servers).
     #[arg(long, env = "COROLLA_STEP_DELAY_MS", default_value_t = 0)]
     pub step_delay_ms: u64,
-    /// A session idle this long is closed and its cache freed.
+    /// A session without progress (an opened session or a computed step)
+    /// this long is closed and its cache freed.
     #[arg(long, env = "COROLLA_SESSION_TIMEOUT", default_value = "300s", value_parser = parse_duration)]
     pub session_timeout: Duration,
+    /// Sessions one peer may hold at once (default: a quarter of
+    /// --max-sessions, at least 1).
+    #[arg(long, env = "COROLLA_MAX_SESSIONS_PER_PEER")]
+    pub max_sessions_per_peer: Option<usize>,
+    /// libp2p connections one peer may hold with this server.
+    #[arg(long, env = "COROLLA_MAX_CONNECTIONS_PER_PEER", default_value_t = 8)]
+    pub max_connections_per_peer: u32,
+    /// libp2p connections in total.
+    #[arg(long, env = "COROLLA_MAX_CONNECTIONS", default_value_t = 512)]
+    pub max_connections: u32,
+    /// A private swarm: the only peers spoken to (peer ids, comma-separated,
+    /// or files holding one per line); everyone else is refused.
+    #[arg(long, env = "COROLLA_ALLOWED_PEERS", value_delimiter = ',')]
+    pub allowed_peers: Vec<String>,
+    /// TESTING AID, never for a real swarm: answer this share of steps with
+    /// plausible but wrong activations (noise of a tenth of their RMS), to
+    /// test clients' spot checks, like --step-delay-ms tests routing.
+    #[arg(long, env = "COROLLA_CORRUPT_OUTPUTS", default_value_t = 0.0, value_parser = parse_rate)]
+    pub corrupt_outputs: f64,
+}
+
+/// A share in `0..=1`.
+pub fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a rate between 0 and 1")),
+    }
 }
 
 impl ServerArgs {

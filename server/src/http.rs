@@ -24,8 +24,8 @@ use libp2p::multiaddr::Protocol;
 use libp2p::Multiaddr;
 
 use crate::config::ServerArgs;
+use crate::error::ServerError;
 use crate::hub::ModelSource;
-use crate::server::ServerError;
 use crate::session::SessionContext;
 use crate::tls::TlsIdentity;
 

@@ -9,7 +9,7 @@ use corolla_model::checkpoint::{CONFIG_FILE, COROLLA_INDEX, SHARDED_INDEX, SINGL
 use corolla_model::Checkpoint;
 use hf_hub::api::sync::{ApiBuilder, ApiRepo};
 
-use crate::server::ServerError;
+use crate::error::ServerError;
 
 /// Where `--model` points.
 pub enum ModelSource {

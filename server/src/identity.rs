@@ -6,7 +6,7 @@ use std::path::Path;
 use corolla_shared::native::{new_webrtc_certificate, WebRtcCertificate};
 use libp2p::identity::Keypair;
 
-use crate::server::ServerError;
+use crate::error::ServerError;
 
 /// Loads the keypair in `path`, or creates it (readable by the owner only).
 pub fn load_or_create_keypair(path: Option<&Path>) -> Result<Keypair, ServerError> {

@@ -6,7 +6,9 @@
 //! a thin `main` over [`run_cli`]; tests start servers in-process with
 //! [`Server::start`].
 
+mod admission;
 pub mod config;
+mod error;
 mod http;
 mod hub;
 mod identity;
@@ -16,5 +18,6 @@ mod session;
 mod tls;
 
 pub use config::{BlockRange, ServerArgs};
+pub use error::ServerError;
 pub use http::{ClientFile, ClientManifest};
-pub use server::{run_cli, RunningServer, Server, ServerError};
+pub use server::{run_cli, RunningServer, Server};

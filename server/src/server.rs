@@ -9,35 +9,28 @@ use std::time::Duration;
 
 use corolla_model::fingerprint::{block_hashes, default_model_name, fingerprint};
 use corolla_model::{BlockSpan, Checkpoint, Device, ModelError};
+use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::node::{Announcement, Node, NodeEvent, NodeHandle};
-use corolla_shared::protocol::{INFERENCE_PROTOCOL, INFO_PROTOCOL};
+use corolla_shared::peers::parse_peer_list;
+use corolla_shared::protocol::{ErrorCode, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use corolla_shared::{framing, native, Limits, ServerRecord};
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::multiaddr::Protocol;
-use libp2p::{Multiaddr, PeerId};
+use libp2p::{Multiaddr, PeerId, Stream};
 use serde::Serialize;
-use tokio::sync::Semaphore;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::admission::{Quota, Refusal};
 use crate::config::{DeviceArg, ServerArgs};
+use crate::error::ServerError;
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
 use crate::measure::measure;
 use crate::session::{serve, SessionContext};
 
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error("identity: {0}")]
-    Identity(String),
-    #[error("{0}")]
-    Config(String),
-    #[error("network: {0}")]
-    Network(String),
-    #[error("cannot listen on {addr}: {message}")]
-    Listen { addr: Multiaddr, message: String },
-}
+/// How long a leaving server gives its sessions to read their goodbye.
+const GOODBYE_TIME: Duration = Duration::from_secs(2);
 
 /// A server running in this process. Dropping it stops it.
 pub struct RunningServer {
@@ -49,6 +42,7 @@ pub struct RunningServer {
     node: NodeHandle,
     tasks: Vec<JoinHandle<()>>,
     http: Option<String>,
+    shutdown: watch::Sender<bool>,
 }
 
 impl RunningServer {
@@ -88,6 +82,18 @@ impl RunningServer {
 
     /// Stops listening, announcing and serving at once, as a crash would.
     pub fn shutdown(mut self) {
+        self.abort();
+    }
+
+    /// Leaves gracefully: open sessions get an error frame saying the
+    /// server is shutting down (their clients replay elsewhere at once),
+    /// the DHT gets a signed last record saying it leaves, then it stops.
+    pub async fn leave(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Err(e) = self.node.leave().await {
+            tracing::debug!(error = %e, "could not tell the DHT");
+        }
+        tokio::time::sleep(GOODBYE_TIME).await;
         self.abort();
     }
 
@@ -203,6 +209,7 @@ impl Server {
             .unwrap_or_else(|| default_model_name(&checkpoint));
 
         let keypair = load_or_create_keypair(args.identity.as_deref())?;
+        let allowed_peers = parse_peer_list(&args.allowed_peers).map_err(ServerError::Config)?;
         let certificate = load_or_create_certificate(args.identity.as_deref())?;
         let tls = match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(Arc::new(crate::tls::TlsIdentity::load(cert, key)?)),
@@ -212,11 +219,23 @@ impl Server {
             webrtc: certificate,
             websocket_tls: tls.as_ref().map(|t| t.websocket()).transpose()?,
         };
-        let swarm = native::build_swarm(keypair, args.update_period, Some(transports))
-            .await
-            .map_err(|e| ServerError::Network(e.to_string()))?;
+        let limits = NetworkLimits {
+            max_per_peer: args.max_connections_per_peer.max(1),
+            max_established: args.max_connections.max(1),
+            ..NetworkLimits::server()
+        }
+        .with_allowed_peers(allowed_peers.clone());
+        let swarm = native::build_swarm(
+            keypair.clone(),
+            args.update_period,
+            &limits,
+            Some(transports),
+        )
+        .await
+        .map_err(|e| ServerError::Network(e.to_string()))?;
         let (mut node, handle, mut events) = Node::new(swarm);
-        node.serve_dht(args.public_name.clone());
+        node.serve_dht(args.public_name.clone(), keypair);
+        node.allow_only(allowed_peers);
         let peer_id = handle.peer_id();
 
         let ip = ip_proto(args.host);
@@ -381,6 +400,10 @@ impl Server {
             "measured tokens per second"
         );
 
+        // No session is longer than the model's positions, whatever the flag says.
+        let max_length = args
+            .inference_max_length
+            .min(config.max_position_embeddings);
         let record = ServerRecord {
             peer_id: peer_id.to_string(),
             model: model.clone(),
@@ -392,14 +415,21 @@ impl Server {
             hidden_size: config.hidden_size as u32,
             throughput: throughput.decode,
             prefill_throughput: throughput.prefill,
-            cache_tokens_left: (args.max_sessions * args.inference_max_length) as u64,
-            max_length: args.inference_max_length as u32,
+            cache_tokens_left: (args.max_sessions as u64).saturating_mul(max_length as u64),
+            max_length: u32::try_from(max_length).unwrap_or(u32::MAX),
             sessions: 0,
             max_sessions: args.max_sessions as u32,
             dtype: format!("{:?}", span.dtype()).to_lowercase(),
             version: env!("CARGO_PKG_VERSION").into(),
             addresses: addrs.iter().map(ToString::to_string).collect(),
+            published_at_ms: 0,
+            leaving: false,
         };
+        let per_peer = args
+            .max_sessions_per_peer
+            .unwrap_or(args.max_sessions / 4)
+            .max(1);
+        let (shutdown, shutdown_rx) = watch::channel(false);
         let ctx = Arc::new(SessionContext {
             span: Arc::new(span),
             model: model.clone(),
@@ -407,19 +437,29 @@ impl Server {
             // No step can carry more than max_length positions of f32 hidden
             // states; frames are bounded by that before any buffer grows.
             limits: Limits {
-                max_tensor_bytes: (args.inference_max_length as u64)
+                max_tensor_bytes: (max_length as u64)
                     .saturating_mul(config.hidden_size as u64)
                     .saturating_mul(4),
                 ..Limits::DEFAULT
             },
-            max_length: args.inference_max_length,
-            max_sessions: args.max_sessions,
+            max_length,
             idle_timeout: args.session_timeout,
             step_delay: Duration::from_millis(args.step_delay_ms),
-            permits: Arc::new(Semaphore::new(args.max_sessions)),
+            sessions: Quota::new(per_peer, args.max_sessions),
+            corrupt_outputs: args.corrupt_outputs,
+            shutdown: shutdown_rx,
             record: Mutex::new(record.clone()),
         });
-        tasks.push(accept_sessions(&handle, ctx.clone())?);
+        if args.corrupt_outputs > 0.0 {
+            tracing::warn!(
+                rate = args.corrupt_outputs,
+                "--corrupt-outputs: this server returns wrong activations on purpose (a testing aid)"
+            );
+        }
+        // Streams not yet holding a session cost a little each: a few more
+        // than a peer's sessions, a few more than all sessions in total.
+        let streams = Quota::new(per_peer + 2, args.max_sessions.saturating_mul(2) + 8);
+        tasks.push(accept_sessions(&handle, ctx.clone(), streams)?);
         tasks.push(accept_info(&handle, ctx.clone())?);
         let http =
             match crate::http::start(&args, checkpoint.clone(), source, &model, ctx, tls, &addrs)
@@ -461,6 +501,7 @@ impl Server {
             node: handle,
             tasks,
             http,
+            shutdown,
         })
     }
 }
@@ -490,6 +531,7 @@ fn write_addr_file(path: &Path, content: &AddrFile) -> Result<(), ServerError> {
 fn accept_sessions(
     handle: &NodeHandle,
     ctx: Arc<SessionContext>,
+    streams: Arc<Quota>,
 ) -> Result<JoinHandle<()>, ServerError> {
     let mut incoming = handle
         .control()
@@ -501,15 +543,41 @@ fn accept_sessions(
         loop {
             tokio::select! {
                 next = incoming.next() => match next {
-                    Some((peer, stream)) => {
-                        sessions.spawn(serve(stream, peer, ctx.clone()));
-                    }
+                    Some((peer, stream)) => match streams.try_take(peer) {
+                        Ok(slot) => {
+                            let ctx = ctx.clone();
+                            sessions.spawn(async move {
+                                serve(stream, peer, ctx).await;
+                                drop(slot);
+                            });
+                        }
+                        Err(refusal) => {
+                            sessions.spawn(refuse_stream(stream, peer, refusal));
+                        }
+                    },
                     None => break,
                 },
                 Some(_) = sessions.join_next(), if !sessions.is_empty() => {}
             }
         }
     }))
+}
+
+/// Tells a peer over its quota of streams why, briefly, and closes.
+async fn refuse_stream(mut stream: Stream, peer: PeerId, refusal: Refusal) {
+    let message = match refusal {
+        Refusal::PeerFull { limit } => {
+            format!("busy: this peer has {limit} streams open, the most one peer may")
+        }
+        Refusal::Full { limit } => format!("busy: {limit}/{limit} streams in use"),
+    };
+    tracing::debug!(%peer, %message, "refused a stream");
+    let frame = Response::error(ErrorCode::Busy, message).encode();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = framing::write_frame(&mut stream, &frame).await;
+        let _ = stream.close().await;
+    })
+    .await;
 }
 
 fn accept_info(
@@ -560,16 +628,32 @@ pub fn run_cli() -> anyhow::Result<()> {
             peer_id = %server.peer_id(),
             model = server.model(),
             blocks = ?server.blocks(),
-            "ready; serving until Ctrl-C"
+            "ready; serving until Ctrl-C or SIGTERM"
         );
         for addr in server.addrs() {
             println!("{addr}");
         }
-        tokio::signal::ctrl_c().await?;
-        tracing::info!("shutting down");
-        server.shutdown();
+        stop_signal().await?;
+        tracing::info!("leaving the swarm");
+        server.leave().await;
         Ok(())
     })
+}
+
+/// Ctrl-C, or (on Unix) SIGTERM as service managers send it.
+async fn stop_signal() -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r,
+            _ = term.recv() => Ok(()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await
+    }
 }
 
 #[cfg(test)]

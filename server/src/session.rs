@@ -1,20 +1,31 @@
 //! One inference session per stream: open, steps, close. Every field a peer
 //! sends is checked before anything is allocated; a bad request gets an
-//! error frame and the session (and every other session) goes on.
+//! error frame and the session (and every other session) goes on. Every
+//! read, write and acknowledgement wait has a deadline, only progress (an
+//! opened session, a computed step) keeps a stream alive, and a stream that
+//! sends bad requests over and over is closed.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
-use corolla_model::{BlockSpan, SessionCache};
-use corolla_shared::flow::FlowSender;
+use corolla_model::{BlockSpan, DType, SessionCache, Tensor};
+use corolla_shared::flow::{FlowSender, MIN_WINDOW};
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response};
 use corolla_shared::{Limits, ServerRecord, TensorView, WireDType};
 use futures::AsyncWriteExt;
 use libp2p::{PeerId, Stream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::admission::{Quota, Refusal, Slot};
+
+/// Bad requests in a row after which a stream is closed.
+pub(crate) const MAX_BAD_REQUESTS_IN_A_ROW: usize = 3;
+/// The longest any one reply may take to leave, acknowledgement waits included.
+const MAX_WRITE_TIME: Duration = Duration::from_secs(30);
 
 /// What every session of this server shares.
 pub(crate) struct SessionContext {
@@ -23,11 +34,16 @@ pub(crate) struct SessionContext {
     /// Hashes of the span's blocks, in order.
     pub block_hashes: Vec<String>,
     pub limits: Limits,
+    /// Longest session: `--inference-max-length`, at most the model's positions.
     pub max_length: usize,
-    pub max_sessions: usize,
     pub idle_timeout: Duration,
     pub step_delay: Duration,
-    pub permits: Arc<Semaphore>,
+    /// Sessions per peer and in total.
+    pub sessions: Arc<Quota>,
+    /// A testing aid: the share of steps answered with noisy activations.
+    pub corrupt_outputs: f64,
+    /// Becomes `true` when the server leaves: open sessions are told so.
+    pub shutdown: watch::Receiver<bool>,
     /// The announced record; live fields are filled in by [`Self::record`].
     pub record: Mutex<ServerRecord>,
 }
@@ -39,10 +55,15 @@ impl SessionContext {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let free = self.permits.available_permits();
-        r.sessions = (self.max_sessions - free) as u32;
-        r.cache_tokens_left = (free * self.max_length) as u64;
+        let used = self.sessions.in_use();
+        let free = self.sessions.total().saturating_sub(used);
+        r.sessions = used as u32;
+        r.cache_tokens_left = (free as u64).saturating_mul(self.max_length as u64);
         r
+    }
+
+    fn write_deadline(&self) -> Duration {
+        self.idle_timeout.min(MAX_WRITE_TIME)
     }
 }
 
@@ -50,7 +71,7 @@ struct Session {
     cache: SessionCache,
     dtype: WireDType,
     max_length: usize,
-    _permit: OwnedSemaphorePermit,
+    _slot: Slot,
 }
 
 type Reply = Result<Vec<u8>, (ErrorCode, String)>;
@@ -59,106 +80,176 @@ fn refuse(code: ErrorCode, message: impl Into<String>) -> Reply {
     Err((code, message.into()))
 }
 
-pub(crate) async fn serve(mut stream: Stream, peer: PeerId, ctx: Arc<SessionContext>) {
+/// The server's end of one session stream: it owns the framing (plain, or
+/// flow-controlled once an Open asked for it) and every deadline on it.
+struct SessionStream {
+    stream: Stream,
+    flow: Option<FlowSender>,
+}
+
+impl SessionStream {
+    /// Writes one reply within `deadline`; `false` when the stream is unusable.
+    async fn send(&mut self, reply: Reply, deadline: Duration) -> bool {
+        let frame = match reply {
+            Ok(frame) => frame,
+            Err((code, message)) => {
+                tracing::debug!(?code, %message, "refusing a request");
+                Response::error(code, message).encode()
+            }
+        };
+        let write = async {
+            match &mut self.flow {
+                Some(flow) => flow.write_frame(&mut self.stream, &frame).await,
+                None => write_frame(&mut self.stream, &frame).await,
+            }
+        };
+        matches!(tokio::time::timeout(deadline, write).await, Ok(Ok(())))
+    }
+
+    async fn close(mut self) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.stream.close()).await;
+    }
+}
+
+/// What the next frame turned out to be.
+enum Incoming {
+    Frame,
+    End,
+    Idle,
+    ShuttingDown,
+    /// Unreadable: the stream is out of sync (`Some`: tell the peer why).
+    Broken(Option<String>),
+}
+
+async fn shutting_down(shutdown: &mut watch::Receiver<bool>) {
+    if shutdown.wait_for(|leaving| *leaving).await.is_err() {
+        // The server is gone without a goodbye: the stream ends with it.
+        std::future::pending::<()>().await;
+    }
+}
+
+pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>) {
+    let mut io = SessionStream { stream, flow: None };
     let mut buf = Vec::new();
     let mut session: Option<Session> = None;
-    // Set by an Open that asks for flow control (browsers over WebRTC).
-    let mut flow: Option<FlowSender> = None;
+    let mut shutdown = ctx.shutdown.clone();
+    let mut idle_until = Instant::now() + ctx.idle_timeout;
+    let mut bad_in_a_row = 0;
+    let max_frame = ctx.limits.max_frame_bytes();
     loop {
-        let read = tokio::time::timeout(
-            ctx.idle_timeout,
-            read_frame(&mut stream, ctx.limits.max_frame_bytes(), &mut buf),
-        )
-        .await;
-        let reply = match read {
-            Err(_) => {
-                let msg = format!("session idle for {:?}; closed", ctx.idle_timeout);
-                send(&mut stream, &mut flow, Err((ErrorCode::Timeout, msg))).await;
+        let incoming = tokio::select! {
+            read = tokio::time::timeout_at(idle_until, read_frame(&mut io.stream, max_frame, &mut buf)) => match read {
+                Err(_) => Incoming::Idle,
+                Ok(Ok(true)) => Incoming::Frame,
+                Ok(Ok(false)) => Incoming::End,
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => Incoming::Broken(Some(e.to_string())),
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "session stream failed");
+                    Incoming::Broken(None)
+                }
+            },
+            _ = shutting_down(&mut shutdown) => Incoming::ShuttingDown,
+        };
+        let deadline = ctx.write_deadline();
+        match incoming {
+            Incoming::Frame => {}
+            Incoming::End => break,
+            Incoming::Idle => {
+                let msg = format!("no progress for {:?}; session closed", ctx.idle_timeout);
+                io.send(Err((ErrorCode::Timeout, msg)), deadline).await;
                 break;
             }
-            Ok(Ok(false)) => break,
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
-                // The frame's body was not read, so the stream is out of sync: close it.
-                send(
-                    &mut stream,
-                    &mut flow,
-                    Err((ErrorCode::TooLong, e.to_string())),
-                )
-                .await;
+            Incoming::ShuttingDown => {
+                let msg = "this server is shutting down; continue elsewhere";
+                io.send(Err((ErrorCode::ShuttingDown, msg.into())), deadline)
+                    .await;
                 break;
             }
-            Ok(Err(e)) => {
-                tracing::debug!(%peer, error = %e, "session stream failed");
+            Incoming::Broken(why) => {
+                if let Some(why) = why {
+                    io.send(Err((ErrorCode::TooLong, why)), deadline).await;
+                }
                 break;
             }
-            Ok(Ok(true)) => match Request::decode(&buf, &ctx.limits) {
-                Err(e) => refuse(ErrorCode::BadFrame, format!("malformed request: {e}")),
-                Ok(Request::Close) => break,
-                Ok(Request::Ack { received }) => match flow.as_mut().map(|f| f.on_ack(received)) {
-                    Some(Ok(())) => continue,
-                    Some(Err(e)) => refuse(ErrorCode::BadFrame, e.to_string()),
-                    None => refuse(
-                        ErrorCode::BadFrame,
-                        "an acknowledgement without flow control",
-                    ),
-                },
-                Ok(Request::Open(open)) => match &session {
-                    Some(_) => refuse(
-                        ErrorCode::BadFrame,
-                        "a session is already open on this stream",
-                    ),
-                    None => {
-                        // From here on the client reads under its window, even a refusal.
-                        if open.flow_window > 0 && flow.is_none() {
-                            flow = Some(FlowSender::new(open.flow_window));
-                        }
-                        open_session(&ctx, &open).map(|s| {
-                            let max_length = s.max_length as u32;
-                            tracing::debug!(%peer, start = open.start, end = open.end, max_length, "session opened");
-                            session = Some(s);
-                            Response::Opened { max_length }.encode()
-                        })
+        }
+        let reply = match Request::decode(&buf, &ctx.limits) {
+            Err(e) => refuse(ErrorCode::BadFrame, format!("malformed request: {e}")),
+            Ok(Request::Close) => break,
+            Ok(Request::Ack { received }) => match io.flow.as_mut().map(|f| f.on_ack(received)) {
+                // Acknowledgements are no progress: they do not keep a session alive.
+                Some(Ok(())) => continue,
+                Some(Err(e)) => refuse(ErrorCode::BadFrame, e.to_string()),
+                None => refuse(
+                    ErrorCode::BadFrame,
+                    "an acknowledgement without flow control",
+                ),
+            },
+            Ok(Request::Open(open)) => match &session {
+                Some(_) => refuse(
+                    ErrorCode::BadFrame,
+                    "a session is already open on this stream",
+                ),
+                None => {
+                    // From here on the client reads under its window, even a refusal.
+                    if open.flow_window >= MIN_WINDOW && io.flow.is_none() {
+                        io.flow = Some(FlowSender::new(open.flow_window));
                     }
-                },
-                Ok(Request::Step {
-                    start_position,
-                    hidden,
-                }) => match session.take() {
-                    None => refuse(
-                        ErrorCode::UnknownSession,
-                        "no session is open on this stream; send Open first",
-                    ),
-                    Some(s) => {
-                        let (s, reply) = step(&ctx, s, start_position as usize, &hidden).await;
-                        session = s;
-                        reply
-                    }
-                },
+                    open_session(&ctx, peer, &open).map(|s| {
+                        let max_length = s.max_length as u32;
+                        tracing::debug!(%peer, start = open.start, end = open.end, max_length, "session opened");
+                        session = Some(s);
+                        Response::Opened { max_length }.encode()
+                    })
+                }
+            },
+            Ok(Request::Step {
+                start_position,
+                hidden,
+            }) => match session.take() {
+                None => refuse(
+                    ErrorCode::UnknownSession,
+                    "no session is open on this stream; send Open first",
+                ),
+                Some(s) => {
+                    let (s, reply) = step(&ctx, s, start_position as usize, &hidden).await;
+                    session = s;
+                    reply
+                }
             },
         };
-        if !send(&mut stream, &mut flow, reply).await {
+        let reply = match reply {
+            Ok(frame) => {
+                bad_in_a_row = 0;
+                idle_until = Instant::now() + ctx.idle_timeout;
+                Ok(frame)
+            }
+            Err((code, message)) => {
+                bad_in_a_row += 1;
+                if bad_in_a_row >= MAX_BAD_REQUESTS_IN_A_ROW {
+                    let message = format!(
+                        "{message}; closing the stream after {bad_in_a_row} bad requests in a row"
+                    );
+                    io.send(Err((code, message)), deadline).await;
+                    tracing::debug!(%peer, "closed a stream sending bad requests");
+                    break;
+                }
+                Err((code, message))
+            }
+        };
+        if !io.send(reply, deadline).await {
+            tracing::debug!(%peer, "a reply could not be sent in time; session closed");
             break;
         }
     }
-    let _ = stream.close().await;
+    io.close().await;
     tracing::debug!(%peer, "session closed");
 }
 
-async fn send(stream: &mut Stream, flow: &mut Option<FlowSender>, reply: Reply) -> bool {
-    let frame = match reply {
-        Ok(frame) => frame,
-        Err((code, message)) => {
-            tracing::debug!(?code, %message, "refusing a request");
-            Response::error(code, message).encode()
-        }
-    };
-    match flow {
-        Some(flow) => flow.write_frame(stream, &frame).await.is_ok(),
-        None => write_frame(stream, &frame).await.is_ok(),
-    }
-}
-
-fn open_session(ctx: &SessionContext, open: &OpenRequest) -> Result<Session, (ErrorCode, String)> {
+fn open_session(
+    ctx: &SessionContext,
+    peer: PeerId,
+    open: &OpenRequest,
+) -> Result<Session, (ErrorCode, String)> {
     if open.model != ctx.model {
         return Err((
             ErrorCode::WrongModel,
@@ -191,18 +282,33 @@ fn open_session(ctx: &SessionContext, open: &OpenRequest) -> Result<Session, (Er
             ));
         }
     }
-    let max_length = open.max_length as usize;
-    if max_length == 0 || max_length > ctx.max_length {
+    if open.flow_window > 0 && open.flow_window < MIN_WINDOW {
         return Err((
-            ErrorCode::TooLong,
-            format!("max_length {max_length} is outside 1..={}", ctx.max_length),
+            ErrorCode::BadFrame,
+            format!(
+                "flow_window {} is below the minimum of {MIN_WINDOW} bytes",
+                open.flow_window
+            ),
         ));
     }
-    let permit = ctx.permits.clone().try_acquire_owned().map_err(|_| {
-        (
-            ErrorCode::Busy,
-            format!("server busy: all {} sessions in use", ctx.max_sessions),
-        )
+    let max_length = open.max_length as usize;
+    if max_length == 0 {
+        return Err((ErrorCode::TooLong, "max_length must be at least 1".into()));
+    }
+    if max_length > ctx.max_length {
+        return Err((
+            ErrorCode::TooLong,
+            format!("max_length {max_length} exceeds {}", ctx.max_length),
+        ));
+    }
+    let slot = ctx.sessions.try_take(peer).map_err(|refusal| {
+        let message = match refusal {
+            Refusal::Full { limit } => format!("busy: {limit}/{limit} sessions in use"),
+            Refusal::PeerFull { limit } => {
+                format!("busy: this peer holds {limit} sessions, the most one peer may hold")
+            }
+        };
+        (ErrorCode::Busy, message)
     })?;
     let cache = ctx
         .span
@@ -212,7 +318,7 @@ fn open_session(ctx: &SessionContext, open: &OpenRequest) -> Result<Session, (Er
         cache,
         dtype: open.dtype,
         max_length,
-        _permit: permit,
+        _slot: slot,
     })
 }
 
@@ -251,10 +357,10 @@ fn check_step(
         );
         return Err((ErrorCode::BadShape, msg));
     }
-    if start + t > s.max_length {
+    if start.saturating_add(t) > s.max_length {
         let msg = format!(
             "positions {start}..{} exceed the session's max_length {}",
-            start + t,
+            start.saturating_add(t),
             s.max_length
         );
         return Err((ErrorCode::TooLong, msg));
@@ -277,9 +383,11 @@ async fn compute_step(
     }
     let span = ctx.span.clone();
     let wire = s.dtype;
+    let corrupt = ctx.corrupt_outputs > 0.0 && rand::random::<f64>() < ctx.corrupt_outputs;
     let computed = tokio::task::spawn_blocking(move || {
         let out = span
             .forward(&input, start, &mut s.cache)
+            .and_then(|y| if corrupt { add_noise(&y) } else { Ok(y) })
             .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire));
         (s, out)
     })
@@ -299,4 +407,17 @@ async fn compute_step(
             )
         }
     }
+}
+
+/// `--corrupt-outputs`: plausible but wrong activations, `y` plus Gaussian
+/// noise of a tenth of its root mean square.
+fn add_noise(y: &Tensor) -> corolla_model::Result<Tensor> {
+    let rms = y
+        .to_dtype(DType::F32)?
+        .sqr()?
+        .mean_all()?
+        .sqrt()?
+        .to_scalar::<f32>()?;
+    let noise = Tensor::randn(0f32, 0.1 * rms.max(1e-3), y.shape(), y.device())?;
+    Ok((y + noise.to_dtype(y.dtype())?)?)
 }

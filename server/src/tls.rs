@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use crate::server::ServerError;
+use crate::error::ServerError;
 
 /// A PEM certificate chain and its private key.
 pub struct TlsIdentity {

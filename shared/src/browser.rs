@@ -11,7 +11,7 @@ use libp2p::core::Transport;
 use libp2p::identity::Keypair;
 use libp2p::{noise, yamux, Swarm};
 
-use crate::behaviour::Behaviour;
+use crate::behaviour::{Behaviour, NetworkLimits};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -43,7 +43,7 @@ pub fn build_browser_swarm(
                     .timeout(Duration::from_secs(20)),
             )
         })?
-        .with_behaviour(|key| Behaviour::new(key, update_period))?
+        .with_behaviour(|key| Behaviour::new(key, update_period, &NetworkLimits::client()))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(120)))
         .build();
     Ok(swarm)

@@ -24,6 +24,11 @@ use crate::protocol::{Request, MAX_MESSAGE_LEN};
 /// The largest write on a flow-controlled stream.
 pub const MAX_PIECE: usize = 8000;
 
+/// The smallest window a server grants: below one piece, every piece would
+/// wait for its own acknowledgement, and a peer could hold a session with a
+/// trickle.
+pub const MIN_WINDOW: u32 = MAX_PIECE as u32;
+
 /// The window a browser asks for: under its 16 KiB of unread bytes per stream.
 pub const BROWSER_WINDOW: u32 = 16_000;
 
@@ -197,9 +202,14 @@ impl FlowReceiver {
             )));
         }
         buf.clear();
-        buf.resize(len, 0);
-        if self.read_acking(io, buf).await? < len {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+        let mut piece = vec![0u8; (self.ack_every as usize).min(len)];
+        while buf.len() < len {
+            let want = (len - buf.len()).min(piece.len());
+            let got = self.read_acking(io, &mut piece[..want]).await?;
+            if got < want {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            buf.extend_from_slice(&piece[..got]);
         }
         self.ack(io, true).await?;
         Ok(true)

@@ -15,6 +15,7 @@ pub mod limits;
 #[cfg(feature = "native")]
 pub mod native;
 pub mod node;
+pub mod peers;
 pub mod protocol;
 pub mod record;
 pub mod session;

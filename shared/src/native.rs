@@ -9,7 +9,7 @@ use libp2p::core::Transport;
 use libp2p::identity::Keypair;
 use libp2p::{noise, tcp, yamux, Swarm};
 
-use crate::behaviour::Behaviour;
+use crate::behaviour::{Behaviour, NetworkLimits};
 
 pub use libp2p::websocket::tls::Config as WebSocketTls;
 pub use libp2p_webrtc::tokio::Certificate as WebRtcCertificate;
@@ -28,6 +28,7 @@ pub struct ServerTransports {
 pub async fn build_swarm(
     keypair: Keypair,
     update_period: Duration,
+    limits: &NetworkLimits,
     server: Option<ServerTransports>,
 ) -> Result<Swarm<Behaviour>, BoxError> {
     // Both rustls back-ends are in the dependency graph (QUIC and WebRTC
@@ -43,7 +44,7 @@ pub async fn build_swarm(
         )?;
     let swarm_config =
         |c: libp2p::swarm::Config| c.with_idle_connection_timeout(Duration::from_secs(120));
-    let behaviour = |key: &Keypair| Behaviour::new(key, update_period);
+    let behaviour = |key: &Keypair| Behaviour::new(key, update_period, limits);
     let swarm = match server {
         Some(server) => builder
             .with_quic_config(|mut c| {

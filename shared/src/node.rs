@@ -4,7 +4,10 @@
 //! Servers and clients run the same loop: it answers DHT lookups, keeps the
 //! server's announcement fresh (a provider entry under the model's key plus
 //! its [`ServerRecord`] under its own key, re-published every update period
-//! and expiring after two), and reports listen addresses. Streams are opened
+//! and expiring after two), and reports listen addresses. Records are signed
+//! by the server's key; the loop stores others' records only after checking
+//! the signature (and that they are newer than what it holds), and lookups
+//! answer only with records that pass the same check. Streams are opened
 //! and accepted through the `libp2p_stream::Control` in the handle, outside
 //! the loop. The loop is runtime-agnostic: the caller spawns [`Node::run`].
 
@@ -15,6 +18,8 @@ use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, SinkExt, StreamExt};
 use futures_timer::Delay;
 use libp2p::core::transport::ListenerId;
+use libp2p::identity::Keypair;
+use libp2p::kad::store::RecordStore;
 use libp2p::kad::{
     self, GetProvidersOk, GetRecordOk, QueryId, QueryResult, Quorum, Record, RecordKey,
 };
@@ -24,12 +29,18 @@ use web_time::Instant;
 
 use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::protocol::model_dht_key;
-use crate::record::ServerRecord;
+use crate::record::{RecordError, ServerRecord};
 
 /// The DHT key holding one server's record.
 pub fn server_dht_key(peer: &PeerId) -> RecordKey {
     RecordKey::new(&format!("/corolla/server/{peer}"))
 }
+
+/// Most servers of one model whose records one lookup checks: providers are
+/// cheap to announce, so a flood of them must not cost a client more.
+pub const MAX_PROVIDERS_CHECKED: usize = 64;
+/// How long a leaving server waits for its last record to be stored.
+const LEAVE_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -37,6 +48,8 @@ pub enum NodeError {
     Stopped,
     #[error("DHT lookup failed: {0}")]
     Lookup(String),
+    #[error("record refused: {0}")]
+    Record(#[from] RecordError),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     #[error("cannot connect to {peer}: {error}")]
@@ -58,8 +71,11 @@ enum Command {
         Duration,
         oneshot::Sender<Result<HashSet<PeerId>, NodeError>>,
     ),
-    GetRecord(RecordKey, oneshot::Sender<Result<Vec<u8>, NodeError>>),
+    GetRecord(PeerId, oneshot::Sender<Result<ServerRecord, NodeError>>),
     Announce(Option<Announcement>),
+    /// Publishes a last record saying the server leaves, then stops announcing.
+    Leave(oneshot::Sender<()>),
+    Bootstrap,
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     /// Answered when the connection is up or the dial has failed.
     Dial(
@@ -123,7 +139,7 @@ pub struct Node {
     commands: mpsc::Receiver<Command>,
     events: mpsc::UnboundedSender<NodeEvent>,
     providers: HashMap<QueryId, ProviderLookup>,
-    records: HashMap<QueryId, oneshot::Sender<Result<Vec<u8>, NodeError>>>,
+    records: HashMap<QueryId, RecordLookup>,
     announcement: Option<Announcement>,
     next_announce: Delay,
     lookup_tick: Delay,
@@ -131,6 +147,18 @@ pub struct Node {
     advertise: Option<Option<String>>,
     dials: HashMap<libp2p::swarm::ConnectionId, (PeerId, oneshot::Sender<Result<(), NodeError>>)>,
     address_filter: Option<AddressFilter>,
+    /// A server's key, which signs its records.
+    signer: Option<Keypair>,
+    /// When set, providers outside it are not even looked at.
+    allowed_peers: Option<HashSet<PeerId>>,
+    leaving: Option<(Option<QueryId>, oneshot::Sender<()>, Instant)>,
+}
+
+struct RecordLookup {
+    peer: PeerId,
+    reply: oneshot::Sender<Result<ServerRecord, NodeError>>,
+    /// Why the records found so far were refused.
+    refused: Option<RecordError>,
 }
 
 impl Node {
@@ -158,13 +186,18 @@ impl Node {
             advertise: None,
             dials: HashMap::new(),
             address_filter: None,
+            signer: None,
+            allowed_peers: None,
+            leaving: None,
         };
         (node, handle, events_rx)
     }
 
     /// Makes this node a DHT server that advertises its listen addresses,
-    /// with the host part replaced by `public_host` when given.
-    pub fn serve_dht(&mut self, public_host: Option<String>) {
+    /// with the host part replaced by `public_host` when given, and signs
+    /// its records with `key` (the swarm's own).
+    pub fn serve_dht(&mut self, public_host: Option<String>, key: Keypair) {
+        self.signer = Some(key);
         self.swarm
             .behaviour_mut()
             .kad
@@ -184,6 +217,12 @@ impl Node {
     /// and [`NodeHandle::add_address`]): a browser that must use one transport.
     pub fn only_dial(&mut self, filter: AddressFilter) {
         self.address_filter = Some(filter);
+    }
+
+    /// Looks only at these peers' records (a private swarm); the connection
+    /// level refuses the others through [`crate::behaviour::NetworkLimits`].
+    pub fn allow_only(&mut self, peers: Option<HashSet<PeerId>>) {
+        self.allowed_peers = peers;
     }
 
     fn admits(&self, addr: &Multiaddr) -> bool {
@@ -215,6 +254,15 @@ impl Node {
     fn expire_lookups(&mut self) {
         self.lookup_tick.reset(LOOKUP_TICK);
         let now = Instant::now();
+        if self
+            .leaving
+            .as_ref()
+            .is_some_and(|(_, _, until)| *until <= now)
+        {
+            if let Some((_, reply, _)) = self.leaving.take() {
+                let _ = reply.send(());
+            }
+        }
         let expired: Vec<QueryId> = self
             .providers
             .iter()
@@ -252,21 +300,83 @@ impl Node {
         if let Err(e) = kad.start_providing(model_dht_key(&record.model)) {
             tracing::warn!(error = %e, "cannot announce the model in the DHT");
         }
-        let mut dht_record = Record::new(
-            server_dht_key(&self.swarm.local_peer_id().to_owned()),
-            record.to_bytes(),
-        );
-        dht_record.expires = Some(Instant::now() + period * 2);
-        if let Err(e) = self
-            .swarm
-            .behaviour_mut()
-            .kad
-            .put_record(dht_record, Quorum::One)
-        {
-            tracing::warn!(error = %e, "cannot publish the server record in the DHT");
-        }
+        self.publish(&mut record, period * 2);
         tracing::debug!(model = %record.model, start = record.start, end = record.end, "announced");
         self.next_announce.reset(period);
+    }
+
+    /// Signs `record` (stamped now) and stores it under this server's key,
+    /// here and at the closest peers; returns the query.
+    fn publish(&mut self, record: &mut ServerRecord, ttl: Duration) -> Option<QueryId> {
+        let Some(key) = &self.signer else {
+            tracing::warn!("a node without a signing key cannot publish records");
+            return None;
+        };
+        record.published_at_ms = unix_millis();
+        let bytes = match record.sign(key) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot sign the server record");
+                return None;
+            }
+        };
+        let mut dht_record = Record::new(server_dht_key(self.swarm.local_peer_id()), bytes);
+        dht_record.expires = Some(Instant::now() + ttl);
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        match kad.put_record(dht_record, Quorum::One) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot publish the server record in the DHT");
+                None
+            }
+        }
+    }
+
+    /// The last announcement: the record says the server leaves, and the
+    /// model's provider entry is withdrawn here (others expire theirs).
+    fn leave(&mut self, reply: oneshot::Sender<()>) {
+        let Some(a) = self.announcement.take() else {
+            let _ = reply.send(());
+            return;
+        };
+        self.next_announce.reset(Duration::from_secs(3600));
+        let mut record = a.record;
+        record.leaving = true;
+        record.addresses.clear();
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .stop_providing(&model_dht_key(&record.model));
+        let query = self.publish(&mut record, a.period * 2);
+        self.leaving = Some((query, reply, Instant::now() + LEAVE_TIMEOUT));
+    }
+
+    /// Another node asks this one to store a record: only a correctly signed
+    /// server record under its own peer's key, newer than the one held.
+    fn on_inbound_record(&mut self, source: PeerId, record: Record) {
+        let checked = check_stored_record(&record).and_then(|r| {
+            let held = self
+                .swarm
+                .behaviour_mut()
+                .kad
+                .store_mut()
+                .get(&record.key)
+                .and_then(|old| ServerRecord::from_signed_bytes(&old.value, None).ok());
+            match held {
+                Some(old) if old.published_at_ms >= r.published_at_ms => {
+                    Err("not newer than the record held".to_string())
+                }
+                _ => Ok(()),
+            }
+        });
+        match checked {
+            Ok(()) => {
+                if let Err(e) = self.swarm.behaviour_mut().kad.store_mut().put(record) {
+                    tracing::debug!(error = %e, "cannot store a record");
+                }
+            }
+            Err(why) => tracing::debug!(%source, %why, "refused a record"),
+        }
     }
 
     fn on_command(&mut self, command: Command) {
@@ -293,13 +403,28 @@ impl Node {
                     },
                 );
             }
-            Command::GetRecord(key, reply) => {
-                let id = self.swarm.behaviour_mut().kad.get_record(key);
-                self.records.insert(id, reply);
+            Command::GetRecord(peer, reply) => {
+                let id = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .get_record(server_dht_key(&peer));
+                self.records.insert(
+                    id,
+                    RecordLookup {
+                        peer,
+                        reply,
+                        refused: None,
+                    },
+                );
             }
             Command::Announce(a) => {
                 self.announcement = a;
                 self.announce();
+            }
+            Command::Leave(reply) => self.leave(reply),
+            Command::Bootstrap => {
+                let _ = self.swarm.behaviour_mut().kad.bootstrap();
             }
             Command::ListenAddrs(reply) => {
                 let _ = reply.send(self.swarm.listeners().cloned().collect());
@@ -392,6 +517,32 @@ impl Node {
                     }
                 }
             }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::PutRecord {
+                        source,
+                        record: Some(record),
+                        ..
+                    },
+            })) => self.on_inbound_record(source, record),
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::AddProvider {
+                        record: Some(provider),
+                    },
+            })) => {
+                // Kademlia has checked that the provider is the peer that
+                // sent it; whether it serves anything is checked at use.
+                if let Err(e) = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .store_mut()
+                    .add_provider(provider)
+                {
+                    tracing::debug!(error = %e, "cannot store a provider");
+                }
+            }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
                 id,
                 result,
@@ -409,7 +560,15 @@ impl Node {
             QueryResult::GetProviders(result) => {
                 if let Some(lookup) = self.providers.get_mut(&id) {
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = &result {
-                        lookup.found.extend(providers.iter().copied());
+                        let allowed = self.allowed_peers.as_ref();
+                        let room = MAX_PROVIDERS_CHECKED.saturating_sub(lookup.found.len());
+                        lookup.found.extend(
+                            providers
+                                .iter()
+                                .filter(|p| allowed.is_none_or(|a| a.contains(p)))
+                                .take(room)
+                                .copied(),
+                        );
                     }
                 }
                 if last {
@@ -421,17 +580,41 @@ impl Node {
                 }
             }
             QueryResult::GetRecord(result) => {
-                if let Ok(GetRecordOk::FoundRecord(peer_record)) = result {
-                    if let Some(reply) = self.records.remove(&id) {
-                        let _ = reply.send(Ok(peer_record.record.value));
+                if let (Ok(GetRecordOk::FoundRecord(found)), Some(lookup)) =
+                    (result, self.records.get_mut(&id))
+                {
+                    // A copy from a node that stored garbage does not end
+                    // the lookup: another may hold the real one.
+                    match ServerRecord::from_signed_bytes(&found.record.value, Some(&lookup.peer)) {
+                        Ok(record) => {
+                            if let Some(lookup) = self.records.remove(&id) {
+                                let _ = lookup.reply.send(Ok(record));
+                            }
+                            if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                                q.finish();
+                            }
+                        }
+                        Err(e) => lookup.refused = Some(e),
                     }
-                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
-                        q.finish();
+                }
+                if last {
+                    if let Some(lookup) = self.records.remove(&id) {
+                        let error = match lookup.refused {
+                            Some(e) => NodeError::Record(e),
+                            None => NodeError::Lookup("record not found".into()),
+                        };
+                        let _ = lookup.reply.send(Err(error));
                     }
-                } else if last {
-                    if let Some(reply) = self.records.remove(&id) {
-                        let _ = reply.send(Err(NodeError::Lookup("record not found".into())));
-                    }
+                }
+            }
+            QueryResult::PutRecord(_)
+                if self
+                    .leaving
+                    .as_ref()
+                    .is_some_and(|(query, _, _)| *query == Some(id)) =>
+            {
+                if let Some((_, reply, _)) = self.leaving.take() {
+                    let _ = reply.send(());
                 }
             }
             _ => {}
@@ -458,6 +641,20 @@ impl NodeHandle {
 
     pub async fn add_address(&self, peer: PeerId, addr: Multiaddr) -> Result<(), NodeError> {
         self.send(Command::AddAddress(peer, addr)).await
+    }
+
+    /// Tells the DHT this server leaves (a signed last record), and stops
+    /// announcing; returns once that record is stored or after a few seconds.
+    pub async fn leave(&self) -> Result<(), NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Leave(tx)).await?;
+        rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// Starts a Kademlia bootstrap (filling the routing table from the
+    /// peers known so far).
+    pub async fn bootstrap(&self) -> Result<(), NodeError> {
+        self.send(Command::Bootstrap).await
     }
 
     /// Starts (or, with `None`, stops) announcing this server.
@@ -502,14 +699,10 @@ impl NodeHandle {
     /// handed to the swarm so that streams to it can be opened.
     pub async fn server_record(&self, peer: PeerId) -> Result<ServerRecord, NodeError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::GetRecord(server_dht_key(&peer), tx))
-            .await?;
-        let bytes = rx.await.map_err(|_| NodeError::Stopped)??;
-        let record = ServerRecord::from_bytes(&bytes).map_err(NodeError::Lookup)?;
-        if record.peer_id != peer.to_string() {
-            return Err(NodeError::Lookup(format!(
-                "record of {peer} names another peer"
-            )));
+        self.send(Command::GetRecord(peer, tx)).await?;
+        let record = rx.await.map_err(|_| NodeError::Stopped)??;
+        if record.leaving {
+            return Err(NodeError::Lookup(format!("{peer} has left the swarm")));
         }
         for addr in &record.addresses {
             if let Ok(addr) = addr.parse::<Multiaddr>() {
@@ -548,6 +741,23 @@ impl NodeHandle {
         records.sort_by(|a, b| (a.start, &a.peer_id).cmp(&(b.start, &b.peer_id)));
         Ok(records)
     }
+}
+
+/// A record another node asks this one to store, checked: a signed server
+/// record stored under the key of the peer it names.
+fn check_stored_record(record: &Record) -> Result<ServerRecord, String> {
+    let r = ServerRecord::from_signed_bytes(&record.value, None).map_err(|e| e.to_string())?;
+    let peer: PeerId = r.peer_id.parse().map_err(|_| "bad peer id".to_string())?;
+    if record.key != server_dht_key(&peer) {
+        return Err(format!("stored under another key than {peer}'s"));
+    }
+    Ok(r)
+}
+
+fn unix_millis() -> u64 {
+    web_time::SystemTime::now()
+        .duration_since(web_time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Waits for `duration`, on any runtime.

@@ -77,10 +77,12 @@ pub enum ErrorCode {
     Busy,
     Timeout,
     Internal,
+    /// The server is leaving the swarm; the client should go elsewhere.
+    ShuttingDown,
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 9] = [
+    const ALL: [ErrorCode; 10] = [
         ErrorCode::BadFrame,
         ErrorCode::UnknownSession,
         ErrorCode::WrongModel,
@@ -90,6 +92,7 @@ impl ErrorCode {
         ErrorCode::Busy,
         ErrorCode::Timeout,
         ErrorCode::Internal,
+        ErrorCode::ShuttingDown,
     ];
 
     fn code(self) -> u16 {

@@ -45,6 +45,12 @@ pub enum SessionError {
     Unexpected { peer: PeerId },
     #[error("{peer} did not answer within {timeout:?}")]
     Timeout { peer: PeerId, timeout: Duration },
+    /// A well-formed answer that cannot be the blocks' output.
+    #[error("{peer} returned an impossible output: {message}")]
+    BadOutput { peer: PeerId, message: String },
+    /// A spot check found the server's output wrong (see the client's chain).
+    #[error("{peer} returned wrong activations (found by a spot check)")]
+    Caught { peer: PeerId },
 }
 
 impl SessionError {
@@ -56,7 +62,9 @@ impl SessionError {
             | SessionError::Protocol { peer, .. }
             | SessionError::Remote { peer, .. }
             | SessionError::Unexpected { peer }
-            | SessionError::Timeout { peer, .. } => *peer,
+            | SessionError::Timeout { peer, .. }
+            | SessionError::BadOutput { peer, .. }
+            | SessionError::Caught { peer } => *peer,
         }
     }
 }
@@ -105,7 +113,11 @@ impl RemoteSession {
             peer,
             stream,
             buf: Vec::new(),
-            limits: Limits::DEFAULT,
+            // Until the first step: an answer to Open is a few bytes.
+            limits: Limits {
+                max_tensor_bytes: 0,
+                ..Limits::DEFAULT
+            },
             timeout,
             step_timeout: None,
             flow,
@@ -127,7 +139,9 @@ impl RemoteSession {
         self
     }
 
-    /// Sends hidden states for positions `start..start + T`; returns the span's output.
+    /// Sends hidden states for positions `start..start + T`; returns the
+    /// span's output, checked to be possible: the input's dtype and shape
+    /// (a longer answer is refused before it is read) and finite values.
     pub async fn step(
         &mut self,
         start: u32,
@@ -139,9 +153,27 @@ impl RemoteSession {
             Some(t) => (t.base + t.per_position * positions).min(self.timeout),
             None => self.timeout,
         };
-        match self.exchange(&frame, timeout).await? {
-            Response::StepOut { hidden } => Ok(hidden.to_owned()),
-            _ => Err(SessionError::Unexpected { peer: self.peer }),
+        self.limits = Limits {
+            max_tensor_bytes: hidden.data.len() as u64,
+            ..Limits::DEFAULT
+        };
+        let peer = self.peer;
+        let bad = |message: String| SessionError::BadOutput { peer, message };
+        let out = match self.exchange(&frame, timeout).await? {
+            Response::StepOut { hidden: out } => {
+                if out.dtype != hidden.dtype || out.shape != hidden.shape {
+                    return Err(bad(format!(
+                        "{:?} {:?} for an input of {:?} {:?}",
+                        out.dtype, out.shape, hidden.dtype, hidden.shape
+                    )));
+                }
+                out.to_owned()
+            }
+            _ => return Err(SessionError::Unexpected { peer }),
+        };
+        match out.first_non_finite() {
+            Some(i) => Err(bad(format!("value {i} is NaN or infinite"))),
+            None => Ok(out),
         }
     }
 

@@ -160,6 +160,63 @@ impl TensorPayload {
         }
     }
 
+    /// The index of the first NaN or infinite value, if any.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        match self.dtype {
+            WireDType::F32 => self
+                .data
+                .chunks_exact(4)
+                .position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
+            // Half formats: all exponent bits set means infinity or NaN.
+            WireDType::F16 => self
+                .data
+                .chunks_exact(2)
+                .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+            WireDType::BF16 => self
+                .data
+                .chunks_exact(2)
+                .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        }
+    }
+
+    /// The largest difference between two payloads of one dtype and shape,
+    /// relative to the root mean square of `self`; `None` when they cannot
+    /// be compared.
+    pub fn max_difference_relative_to_rms(&self, other: &TensorPayload) -> Option<f64> {
+        if self.dtype != other.dtype || self.shape != other.shape {
+            return None;
+        }
+        let (a, b) = (self.to_f32(), other.to_f32());
+        let mean_square =
+            a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / a.len().max(1) as f64;
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f64, |m, (x, y)| m.max(f64::from((x - y).abs())));
+        Some(diff / mean_square.sqrt().max(1e-6))
+    }
+
+    /// The values as f32 (halves widened exactly).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            WireDType::F32 => self
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            WireDType::F16 => self
+                .data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            WireDType::BF16 => self
+                .data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        }
+    }
+
     /// Keeps the first `len` entries along axis 1 (positions, for hidden
     /// states `[1, T, H]`); a no-op when there are no more than that.
     pub fn truncate_axis1(&mut self, len: usize) {
@@ -337,6 +394,40 @@ impl<'a> TensorView<'a> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn non_finite_values_are_found_in_every_dtype() {
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let p = TensorPayload::new(WireDType::F32, vec![3], f32s(&[1.0, -2.0, 0.5])).unwrap();
+        assert_eq!(p.first_non_finite(), None);
+        let p = TensorPayload::new(WireDType::F32, vec![3], f32s(&[1.0, f32::NAN, 0.5])).unwrap();
+        assert_eq!(p.first_non_finite(), Some(1));
+        let halves = |v: &[half::f16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let p = TensorPayload::new(
+            WireDType::F16,
+            vec![2],
+            halves(&[half::f16::ONE, half::f16::INFINITY]),
+        )
+        .unwrap();
+        assert_eq!(p.first_non_finite(), Some(1));
+        let p = TensorPayload::new(
+            WireDType::BF16,
+            vec![2],
+            half::bf16::NAN
+                .to_le_bytes()
+                .into_iter()
+                .chain(half::bf16::ONE.to_le_bytes())
+                .collect(),
+        )
+        .unwrap();
+        assert_eq!(p.first_non_finite(), Some(0));
+        let a = TensorPayload::new(WireDType::F32, vec![2], f32s(&[4.0, 1.0])).unwrap();
+        let b = TensorPayload::new(WireDType::F32, vec![2], f32s(&[4.0, 1.2])).unwrap();
+        // RMS of a: sqrt(17 / 2).
+        let d = a.max_difference_relative_to_rms(&b).unwrap();
+        assert!((d - 0.2 / 8.5f64.sqrt()).abs() < 1e-6, "{d}");
+        assert_eq!(a.max_difference_relative_to_rms(&p), None);
+    }
 
     fn payload_strategy() -> impl Strategy<Value = TensorPayload> {
         (

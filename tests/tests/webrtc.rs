@@ -58,6 +58,7 @@ async fn four_mib_each_way_over_webrtc_direct() {
     let swarm = build_swarm(
         key,
         Duration::from_secs(60),
+        &corolla_shared::behaviour::NetworkLimits::client(),
         Some(ServerTransports {
             webrtc: new_webrtc_certificate().unwrap(),
             websocket_tls: None,

@@ -67,7 +67,7 @@ impl IntoResponse for ApiError {
 impl From<ClientError> for ApiError {
     fn from(e: ClientError) -> Self {
         match &e {
-            ClientError::NoRoute { .. } => {
+            ClientError::NoRoute { .. } | ClientError::Refused { .. } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).with_code("no_route")
             }
             ClientError::TooLong { .. } | ClientError::SessionTooLong { .. } => {

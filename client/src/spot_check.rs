@@ -1,0 +1,235 @@
+//! Spot checks of servers' work: a sampled step of a hop is computed again
+//! by an independent witness (another replica of the same blocks, or the
+//! client itself where it holds the weights) and the outputs compared. On a
+//! mismatch a third opinion decides who lied; see `RemoteChain`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use corolla_model::wire::{candle_dtype, from_view, to_payload};
+use corolla_model::{BlockSpan, Checkpoint, DType, Device, SessionCache};
+use corolla_shared::session::{RemoteSession, SessionError};
+use corolla_shared::{TensorPayload, WireDType};
+
+use crate::error::ClientError;
+use crate::route::Hop;
+
+/// Outputs of honest servers of one compute mode differ by less than this
+/// (the largest difference relative to the output's RMS): rounding of the
+/// wire dtype, and kernels that sum in another order on other hardware.
+pub fn tolerance(dtype: WireDType) -> f64 {
+    match dtype {
+        WireDType::F32 => 1e-3,
+        WireDType::F16 | WireDType::BF16 => 5e-2,
+    }
+}
+
+/// Whether two outputs of the same step agree.
+pub fn agree(a: &TensorPayload, b: &TensorPayload) -> bool {
+    a.max_difference_relative_to_rms(b)
+        .is_some_and(|d| d <= tolerance(a.dtype))
+}
+
+/// Which steps are checked: each with probability `rate`, unpredictably
+/// for the servers (a liar must not know which of its answers are looked at).
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    rate: f64,
+    state: u64,
+}
+
+impl Schedule {
+    pub fn new(rate: f64) -> Self {
+        let seed = web_time::SystemTime::now()
+            .duration_since(web_time::UNIX_EPOCH)
+            .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
+        Schedule {
+            rate: rate.clamp(0.0, 1.0),
+            state: seed ^ (&seed as *const u64 as u64),
+        }
+    }
+
+    pub fn rate(&self) -> f64 {
+        self.rate
+    }
+
+    /// Draws for one step.
+    pub fn check_now(&mut self) -> bool {
+        if self.rate <= 0.0 {
+            return false;
+        }
+        if self.rate >= 1.0 {
+            return true;
+        }
+        // splitmix64
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
+    }
+}
+
+/// The client's own copy of the blocks, when its checkpoint has them: the
+/// opinion of last resort (an honest computation by definition).
+#[derive(Clone)]
+pub struct Referee {
+    checkpoint: Arc<Checkpoint>,
+    dtype: DType,
+    device: Device,
+    spans: Arc<Mutex<LoadedSpans>>,
+}
+
+/// Spans the referee loaded, by `(start, end)`.
+type LoadedSpans = HashMap<(usize, usize), Arc<BlockSpan>>;
+
+impl std::fmt::Debug for Referee {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Referee")
+            .field("dtype", &self.dtype)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Referee {
+    /// A referee computing with `checkpoint`'s blocks, when it has them all.
+    pub fn new(checkpoint: Arc<Checkpoint>, dtype: DType, device: Device) -> Option<Self> {
+        let layers = checkpoint.config().num_hidden_layers;
+        checkpoint.has_layers(0, layers).then(|| Referee {
+            checkpoint,
+            dtype,
+            device,
+            spans: Arc::default(),
+        })
+    }
+
+    fn span(&self, start: usize, end: usize) -> Result<Arc<BlockSpan>, ClientError> {
+        let mut spans = self.spans.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(span) = spans.get(&(start, end)) {
+            return Ok(span.clone());
+        }
+        let span = Arc::new(BlockSpan::load(
+            &self.checkpoint,
+            start,
+            end,
+            self.dtype,
+            &self.device,
+        )?);
+        spans.insert((start, end), span.clone());
+        Ok(span)
+    }
+}
+
+/// An independent computation of one hop's blocks, fed the same inputs.
+pub enum Witness {
+    Servers(Vec<(Hop, RemoteSession)>),
+    Local {
+        span: Arc<BlockSpan>,
+        cache: SessionCache,
+    },
+}
+
+/// A witness's failure: a server's (ban it) or the client's own.
+pub enum WitnessError {
+    Server(SessionError),
+    Local(ClientError),
+}
+
+impl Witness {
+    pub fn local(
+        referee: &Referee,
+        hop: (usize, usize),
+        max_length: usize,
+    ) -> Result<Self, ClientError> {
+        let span = referee.span(hop.0, hop.1)?;
+        let cache = span.new_cache(max_length)?;
+        Ok(Witness::Local { span, cache })
+    }
+
+    /// The peers this witness's answers come from (none for the client).
+    pub fn peers(&self) -> Vec<String> {
+        match self {
+            Witness::Servers(sessions) => sessions.iter().map(|(h, _)| h.peer_id.clone()).collect(),
+            Witness::Local { .. } => Vec::new(),
+        }
+    }
+
+    pub async fn step(
+        &mut self,
+        start: u32,
+        input: &TensorPayload,
+    ) -> Result<TensorPayload, WitnessError> {
+        match self {
+            Witness::Servers(sessions) => {
+                let mut x = input.clone();
+                for (_, s) in sessions.iter_mut() {
+                    x = s.step(start, &x).await.map_err(WitnessError::Server)?;
+                }
+                Ok(x)
+            }
+            Witness::Local { span, cache } => {
+                let mut compute = || -> Result<TensorPayload, ClientError> {
+                    let x = from_view(&input.view(), span.device())?;
+                    let y = span.forward(&x, start as usize, cache)?;
+                    let y = y
+                        .to_dtype(candle_dtype(input.dtype))
+                        .map_err(corolla_model::ModelError::from)?;
+                    Ok(to_payload(&y, input.dtype)?)
+                };
+                compute().map_err(WitnessError::Local)
+            }
+        }
+    }
+
+    /// Feeds `history` (every input the hop was sent), returning the output of its last entry.
+    pub async fn replay(
+        &mut self,
+        history: &[(u32, TensorPayload)],
+    ) -> Result<Option<TensorPayload>, WitnessError> {
+        let mut last = None;
+        for (start, input) in history {
+            last = Some(self.step(*start, input).await?);
+        }
+        Ok(last)
+    }
+
+    pub async fn close(self) {
+        if let Witness::Servers(sessions) = self {
+            for (_, s) in sessions {
+                s.close().await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_sample_at_their_rate() {
+        let mut never = Schedule::new(0.0);
+        let mut always = Schedule::new(1.0);
+        assert!((0..100).all(|_| !never.check_now() && always.check_now()));
+        let mut some = Schedule::new(0.25);
+        let hits = (0..10_000).filter(|_| some.check_now()).count();
+        assert!((2_000..3_000).contains(&hits), "{hits}");
+    }
+
+    #[test]
+    fn outputs_agree_within_the_dtype_tolerance() {
+        let f32s = |v: &[f32]| {
+            TensorPayload::new(
+                WireDType::F32,
+                vec![1, 1, v.len()],
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+            .unwrap()
+        };
+        let a = f32s(&[1.0, -2.0, 3.0, 0.5]);
+        assert!(agree(&a, &f32s(&[1.0, -2.0, 3.0, 0.5000001])));
+        assert!(!agree(&a, &f32s(&[1.1, -2.0, 3.0, 0.5])));
+        assert!(!agree(&a, &f32s(&[1.0, -2.0, 3.0])));
+    }
+}

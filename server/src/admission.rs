@@ -1,0 +1,114 @@
+//! Who may hold what on this server: sessions and streams per peer and in
+//! total. A slot is a guard; dropping it gives the place back.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use libp2p::PeerId;
+
+/// Counts what each peer holds, up to `per_peer` each and `total` together.
+#[derive(Debug)]
+pub(crate) struct Quota {
+    per_peer: usize,
+    total: usize,
+    held: Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    by_peer: HashMap<PeerId, usize>,
+    total: usize,
+}
+
+/// Why a slot was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The peer holds `per_peer` already.
+    PeerFull { limit: usize },
+    /// Every slot is taken.
+    Full { limit: usize },
+}
+
+impl Quota {
+    pub fn new(per_peer: usize, total: usize) -> Arc<Self> {
+        Arc::new(Quota {
+            per_peer: per_peer.max(1),
+            total: total.max(1),
+            held: Mutex::new(Held::default()),
+        })
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn try_take(self: &Arc<Self>, peer: PeerId) -> Result<Slot, Refusal> {
+        let mut held = self.held();
+        if held.total >= self.total {
+            return Err(Refusal::Full { limit: self.total });
+        }
+        let mine = held.by_peer.entry(peer).or_insert(0);
+        if *mine >= self.per_peer {
+            return Err(Refusal::PeerFull {
+                limit: self.per_peer,
+            });
+        }
+        *mine += 1;
+        held.total += 1;
+        Ok(Slot {
+            quota: self.clone(),
+            peer,
+        })
+    }
+
+    /// Slots taken now, by everyone.
+    pub fn in_use(&self) -> usize {
+        self.held().total
+    }
+
+    pub fn total(&self) -> usize {
+        self.total
+    }
+}
+
+/// One place held by one peer.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    quota: Arc<Quota>,
+    peer: PeerId,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut held = self.quota.held();
+        held.total = held.total.saturating_sub(1);
+        if let Some(n) = held.by_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                held.by_peer.remove(&self.peer);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_get_their_share_and_slots_come_back() {
+        let quota = Quota::new(2, 3);
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let a1 = quota.try_take(a).unwrap();
+        let _a2 = quota.try_take(a).unwrap();
+        assert_eq!(
+            quota.try_take(a).unwrap_err(),
+            Refusal::PeerFull { limit: 2 }
+        );
+        let _b1 = quota.try_take(b).unwrap();
+        assert_eq!(quota.try_take(b).unwrap_err(), Refusal::Full { limit: 3 });
+        drop(a1);
+        assert_eq!(quota.in_use(), 2);
+        assert!(quota.try_take(b).is_ok());
+    }
+}
