@@ -159,6 +159,21 @@ async fn run_sessions(
     Ok(x)
 }
 
+/// What a new witness is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Witness,
+    ThirdOpinion,
+}
+
+/// The first of `peers` as a peer id (they came from parsed records).
+fn first_peer(peers: &[String]) -> PeerId {
+    peers
+        .first()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(PeerId::random())
+}
+
 /// What a failed session says, without the peer's name (the caller adds it).
 fn failure_reason(e: &SessionError) -> String {
     match e {
@@ -512,19 +527,25 @@ impl RemoteChain {
             witness = ?witness_peers,
             "spot check: outputs differ; asking a third opinion"
         );
+        if witness_peers.is_empty() {
+            // The client's own computation needs no second opinion.
+            self.suspect(&primary_peers);
+            return Err(SessionError::Caught {
+                peer: first_peer(&primary_peers),
+            });
+        }
         let exclude: HashSet<String> = primary_peers
             .iter()
             .chain(&witness_peers)
             .cloned()
             .collect();
-        let referee_is_witness = witness_peers.is_empty();
-        let third = self
-            .third_opinion(index, start, input, &exclude, referee_is_witness)
-            .await;
+        let third = self.third_opinion(index, start, input, &exclude).await;
         let Some(third) = third else {
+            // Nobody can tell which of the two lied: both are reported,
+            // neither is banned.
             tracing::warn!("spot check undecided: no third opinion to be had");
-            self.suspect(&primary_peers);
-            self.suspect(&witness_peers);
+            self.report(&primary_peers);
+            self.report(&witness_peers);
             return Ok(primary);
         };
         match (agree(&third, &primary), agree(&third, &witnessed)) {
@@ -538,25 +559,31 @@ impl RemoteChain {
             }
             (false, true) => {
                 self.suspect(&primary_peers);
-                let liar = primary_peers
-                    .first()
-                    .and_then(|p| p.parse().ok())
-                    .unwrap_or(libp2p::PeerId::random());
-                Err(SessionError::Caught { peer: liar })
+                Err(SessionError::Caught {
+                    peer: first_peer(&primary_peers),
+                })
             }
             _ => {
                 tracing::warn!("spot check undecided: three different outputs");
-                self.suspect(&primary_peers);
-                self.suspect(&witness_peers);
+                self.report(&primary_peers);
+                self.report(&witness_peers);
                 Ok(primary)
             }
         }
     }
 
+    /// Bans `peers`, caught lying, and reports them.
     fn suspect(&mut self, peers: &[String]) {
         for peer in peers {
             self.view
                 .ban_for(peer, "returned wrong activations (spot check)");
+        }
+        self.report(peers);
+    }
+
+    /// Reports `peers` in the answer's suspects.
+    fn report(&mut self, peers: &[String]) {
+        for peer in peers {
             if !self.suspects.contains(peer) {
                 self.suspects.push(peer.clone());
             }
@@ -583,12 +610,13 @@ impl RemoteChain {
         }
         if self.hops[index].witness.is_none() {
             let exclude: HashSet<String> = primary_peers.iter().cloned().collect();
-            let witness = self.new_witness(index, &exclude, true).await?;
+            let witness = self.new_witness(index, &exclude, Role::Witness).await?;
             self.hops[index].witness = Some((witness, 0));
         }
         let hop = &mut self.hops[index];
         let (witness, fed) = hop.witness.as_mut()?;
-        let fed_before = *fed;
+        // A caught step was fed but never entered the history.
+        let fed_before = (*fed).min(hop.history.len());
         let result = match witness.replay(&hop.history[fed_before..]).await {
             Ok(_) => witness.step(start, input).await,
             Err(e) => Err(e),
@@ -614,12 +642,14 @@ impl RemoteChain {
     }
 
     /// A witness for hop `index` that uses none of `exclude`: other servers
-    /// (when the view has them), else the referee when `referee` allows.
+    /// (when the view has them), else the client's own copy of the blocks:
+    /// always as a third opinion, as the witness only when every step is
+    /// checked (a local witness computes everything the hop computes).
     async fn new_witness(
         &mut self,
         index: usize,
         exclude: &HashSet<String>,
-        referee: bool,
+        role: Role,
     ) -> Option<Witness> {
         let (from, to) = (self.hops[index].start, self.hops[index].end);
         if let Some(route) = self
@@ -633,7 +663,10 @@ impl RemoteChain {
                 Err(e) => tracing::debug!(error = %e, "cannot open a witness"),
             }
         }
-        let referee = self.settings.referee.as_ref().filter(|_| referee)?;
+        if role == Role::Witness && self.settings.spot_check < 1.0 {
+            return None;
+        }
+        let referee = self.settings.referee.as_ref()?;
         match Witness::local(referee, (from, to), self.settings.max_length) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -650,9 +683,8 @@ impl RemoteChain {
         start: u32,
         input: &TensorPayload,
         exclude: &HashSet<String>,
-        referee_used: bool,
     ) -> Option<TensorPayload> {
-        let mut third = self.new_witness(index, exclude, !referee_used).await?;
+        let mut third = self.new_witness(index, exclude, Role::ThirdOpinion).await?;
         let history = std::mem::take(&mut self.hops[index].history);
         let out = match third.replay(&history).await {
             Ok(_) => third.step(start, input).await.ok(),

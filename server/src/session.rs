@@ -155,7 +155,10 @@ pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>
             Incoming::Frame => {}
             Incoming::End => break,
             Incoming::Idle => {
-                let msg = format!("no progress for {:?}; session closed", ctx.idle_timeout);
+                let msg = format!(
+                    "idle (no progress) for {:?}; session closed",
+                    ctx.idle_timeout
+                );
                 io.send(Err((ErrorCode::Timeout, msg)), deadline).await;
                 break;
             }

@@ -164,37 +164,37 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         .unwrap();
     assert_eq!(code, None, "{msg}");
 
-    // A step with no session open.
-    let mut s2 = new_stream().await;
+    // A step with no session open (each refusal on a fresh stream: three
+    // bad requests in a row close one).
     assert_error(
-        exchange(&mut s2, &encode_step(0, &hidden(1, 64))).await,
+        exchange(&mut new_stream().await, &encode_step(0, &hidden(1, 64))).await,
         ErrorCode::UnknownSession,
         "Open first",
     );
 
     // Opens the server must refuse.
     assert_error(
-        exchange(&mut s2, &open("other-model", 0, 4, 16, "")).await,
+        exchange(&mut new_stream().await, &open("other-model", 0, 4, 16, "")).await,
         ErrorCode::WrongModel,
         "other-model",
     );
     assert_error(
-        exchange(&mut s2, &open(&model, 0, 4, 16, "0123abcd")).await,
+        exchange(&mut new_stream().await, &open(&model, 0, 4, 16, "0123abcd")).await,
         ErrorCode::WrongModel,
         "other weights",
     );
     assert_error(
-        exchange(&mut s2, &open(&model, 2, 6, 16, &fp)).await,
+        exchange(&mut new_stream().await, &open(&model, 2, 6, 16, &fp)).await,
         ErrorCode::SpanNotServed,
         "blocks 2..6",
     );
     assert_error(
-        exchange(&mut s2, &open(&model, 3, 3, 16, &fp)).await,
+        exchange(&mut new_stream().await, &open(&model, 3, 3, 16, &fp)).await,
         ErrorCode::SpanNotServed,
         "blocks 3..3",
     );
     assert_error(
-        exchange(&mut s2, &open(&model, 0, 4, 129, &fp)).await,
+        exchange(&mut new_stream().await, &open(&model, 0, 4, 129, &fp)).await,
         ErrorCode::TooLong,
         "max_length 129",
     );
@@ -210,6 +210,11 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         ErrorCode::BadShape,
         "start position 3",
     );
+    // A good step resets the count of bad requests in a row.
+    let (code, msg) = exchange(&mut s, &encode_step(0, &hidden(2, 64)))
+        .await
+        .unwrap();
+    assert_eq!((code, msg.as_str()), (None, "step out [1, 2, 64]"));
     assert_error(
         exchange(&mut s, &encode_step(0, &hidden(17, 64))).await,
         ErrorCode::TooLong,
@@ -263,6 +268,8 @@ async fn info_reports_the_server_and_sessions_free_their_caches() {
         "--inference-max-length",
         "32",
         "--max-sessions",
+        "2",
+        "--max-sessions-per-peer",
         "2",
         "--session-timeout",
         "1s",

@@ -1,0 +1,240 @@
+//! A hostile peer for tests, as an attacker would write one: raw session
+//! streams with chosen frames, forged DHT records, and a fake server that
+//! copies an honest server's record, claims to be fast and returns lies.
+
+use std::time::Duration;
+
+use corolla_model::wire::to_payload;
+use corolla_shared::behaviour::{BehaviourEvent, NetworkLimits};
+use corolla_shared::framing::{read_frame, write_frame};
+use corolla_shared::native::build_swarm;
+use corolla_shared::node::{Announcement, Node, NodeHandle};
+use corolla_shared::protocol::{ErrorCode, Request, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
+use corolla_shared::{Limits, ServerRecord, TensorPayload, WireDType};
+use futures::StreamExt;
+use libp2p::kad::{self, Quorum, Record, RecordKey};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::SwarmEvent;
+use libp2p::{Multiaddr, PeerId, Stream};
+
+/// A server's answer: the error code (None for success) and its text;
+/// `None` when the server closed the stream.
+pub type Reply = Option<(Option<ErrorCode>, String)>;
+
+/// Opens an inference stream to `peer` from `node`.
+pub async fn open_stream(node: &NodeHandle, peer: PeerId) -> Stream {
+    node.control()
+        .open_stream(peer, INFERENCE_PROTOCOL)
+        .await
+        .expect("a stream to the server")
+}
+
+/// Reads one reply within `timeout` (`None` on a closed stream or silence).
+pub async fn read_reply(stream: &mut Stream, timeout: Duration) -> Reply {
+    let mut buf = Vec::new();
+    let got = tokio::time::timeout(
+        timeout,
+        read_frame(stream, Limits::DEFAULT.max_frame_bytes(), &mut buf),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    if !got {
+        return None;
+    }
+    Some(match Response::decode(&buf, &Limits::DEFAULT).ok()? {
+        Response::Error { code, message } => (Some(code), message),
+        Response::Opened { max_length } => (None, format!("opened {max_length}")),
+        Response::StepOut { hidden } => (None, format!("step out {:?}", hidden.shape)),
+    })
+}
+
+/// Sends `frame` and reads the reply.
+pub async fn exchange(stream: &mut Stream, frame: &[u8]) -> Reply {
+    write_frame(stream, frame).await.ok()?;
+    read_reply(stream, Duration::from_secs(10)).await
+}
+
+/// The process's resident memory, in bytes (Linux; 0 elsewhere).
+pub fn resident_memory_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Asks the DHT node at `target` (ending in `/p2p/<id>`) to store `value`
+/// under `key`, from a fresh peer; returns once the request was answered.
+pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
+    let key_pair = libp2p::identity::Keypair::generate_ed25519();
+    let mut swarm = build_swarm(
+        key_pair,
+        Duration::from_secs(60),
+        &NetworkLimits::client(),
+        None,
+    )
+    .await
+    .expect("a swarm");
+    let mut base = target.clone();
+    let Some(Protocol::P2p(peer)) = base.pop() else {
+        panic!("{target} has no peer id")
+    };
+    swarm.behaviour_mut().kad.add_address(&peer, base.clone());
+    swarm.add_peer_address(peer, base);
+    swarm.dial(peer).expect("dial");
+    let mut put = None;
+    let deadline = tokio::time::sleep(Duration::from_secs(10));
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            event = swarm.select_next_some() => match event {
+                SwarmEvent::ConnectionEstablished { .. } if put.is_none() => {
+                    let record = Record::new(key.clone(), value.clone());
+                    put = Some(swarm.behaviour_mut().kad.put_record(record, Quorum::One).expect("put"));
+                }
+                SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::OutboundQueryProgressed {
+                    id, ..
+                })) if Some(id) == put => return,
+                _ => {}
+            },
+            _ = &mut deadline => panic!("the forged PUT got no answer"),
+        }
+    }
+}
+
+/// What a lying server returns for a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lie {
+    /// The right shape, all NaN.
+    NotANumber,
+    /// The right shape, an infinity in it.
+    Infinity,
+    /// One position more than was sent.
+    ExtraPosition,
+    /// Another hidden size.
+    WrongHiddenSize,
+}
+
+fn lie_about(lie: Lie, input: &TensorPayload) -> TensorPayload {
+    let (t, h) = (input.shape[1], input.shape[2]);
+    let f32s = |n: usize, v: f32| v.to_le_bytes().repeat(n);
+    let (shape, data) = match lie {
+        Lie::NotANumber => (vec![1, t, h], f32s(t * h, f32::NAN)),
+        Lie::Infinity => {
+            let mut d = f32s(t * h, 0.5);
+            d[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+            (vec![1, t, h], d)
+        }
+        Lie::ExtraPosition => (vec![1, t + 1, h], f32s((t + 1) * h, 0.5)),
+        Lie::WrongHiddenSize => (vec![1, t, h - 1], f32s(t * (h - 1), 0.5)),
+    };
+    TensorPayload::new(WireDType::F32, shape, data).expect("a payload")
+}
+
+/// A peer with no weights that announces `honest`'s blocks and hashes as
+/// its own, a billion tokens per second, and answers every step with `lie`.
+/// Runs until the returned node handle and task are dropped.
+pub async fn lying_server(
+    bootstrap: &Multiaddr,
+    honest: &ServerRecord,
+    lie: Lie,
+) -> (PeerId, tokio::task::JoinHandle<()>) {
+    let key = libp2p::identity::Keypair::generate_ed25519();
+    let swarm = build_swarm(
+        key.clone(),
+        Duration::from_secs(1),
+        &NetworkLimits::server(),
+        None,
+    )
+    .await
+    .expect("a swarm");
+    let (mut node, handle, mut events) = Node::new(swarm);
+    node.serve_dht(None, key);
+    node.swarm_mut()
+        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .unwrap();
+    let mut base = bootstrap.clone();
+    let Some(Protocol::P2p(boot)) = base.pop() else {
+        panic!("{bootstrap} has no peer id")
+    };
+    node.swarm_mut()
+        .behaviour_mut()
+        .kad
+        .add_address(&boot, base.clone());
+    node.swarm_mut().add_peer_address(boot, base);
+    node.swarm_mut().dial(boot).unwrap();
+    let peer = handle.peer_id();
+    let mut sessions = handle.control().accept(INFERENCE_PROTOCOL).unwrap();
+    let mut info = handle.control().accept(INFO_PROTOCOL).unwrap();
+    let task_handle = handle.clone();
+    let mut record = honest.clone();
+    record.peer_id = peer.to_string();
+    record.throughput = 1e9;
+    record.prefill_throughput = 1e9;
+    let task = tokio::spawn(async move {
+        let handle = task_handle;
+        let serve = async {
+            let _listening = events.next().await;
+            handle
+                .announce(Some(Announcement {
+                    record: record.clone(),
+                    period: Duration::from_secs(1),
+                }))
+                .await
+                .unwrap();
+            loop {
+                tokio::select! {
+                    Some((_, mut stream)) = info.next() => {
+                        let bytes = record.to_bytes();
+                        tokio::spawn(async move {
+                            let _ = write_frame(&mut stream, &bytes).await;
+                        });
+                    }
+                    Some((_, stream)) = sessions.next() => {
+                        tokio::spawn(serve_lies(stream, lie));
+                    }
+                    else => break,
+                }
+            }
+        };
+        // One task: aborting it stops the node too.
+        tokio::select! {
+            _ = node.run() => {}
+            _ = serve => {}
+        }
+    });
+    (peer, task)
+}
+
+async fn serve_lies(mut stream: Stream, lie: Lie) {
+    let mut buf = Vec::new();
+    while let Ok(true) = read_frame(&mut stream, 64 << 20, &mut buf).await {
+        let reply = match Request::decode(&buf, &Limits::DEFAULT) {
+            Ok(Request::Open(open)) => Response::Opened {
+                max_length: open.max_length,
+            }
+            .encode(),
+            Ok(Request::Step { hidden, .. }) => {
+                let out = lie_about(lie, &hidden.to_owned());
+                Response::StepOut { hidden: out.view() }.encode()
+            }
+            _ => return,
+        };
+        if write_frame(&mut stream, &reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Plausible activations for a step of `t` positions (any numbers do).
+pub fn hidden_payload(t: usize, h: usize) -> TensorPayload {
+    let x = corolla_model::Tensor::ones(
+        (1, t, h),
+        corolla_model::DType::F32,
+        &corolla_model::Device::Cpu,
+    )
+    .expect("a tensor");
+    to_payload(&x, WireDType::F32).expect("a payload")
+}

@@ -1,0 +1,571 @@
+//! Attacks by one stranger on the swarm, each of which must fail: locking a
+//! server's sessions, costing it memory with announced lengths, forging its
+//! DHT record, lying about speed and outputs, and corrupting activations.
+//! While they run, an honest client's tokens stay those of the whole model.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corolla_client::network::connect;
+use corolla_client::spot_check::Referee;
+use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
+use corolla_model::fingerprint::{block_hashes, span_hash};
+use corolla_model::random::{write_random_checkpoint, RandomSpec};
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
+use corolla_server::RunningServer;
+use corolla_shared::node::{server_dht_key, NodeHandle};
+use corolla_shared::protocol::{encode_step, ErrorCode, OpenRequest, Request};
+use corolla_shared::session::fetch_info;
+use corolla_shared::WireDType;
+use corolla_tests::hostile::{
+    exchange, forge_record, hidden_payload, lying_server, open_stream, read_reply,
+    resident_memory_bytes, Lie,
+};
+use corolla_tests::{start_model_server, start_server, tiny_llama};
+use futures::AsyncWriteExt;
+
+const MODEL: &str = "tiny-llama-a";
+const NEW_TOKENS: usize = 12;
+
+fn expected_hashes() -> Vec<String> {
+    block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 0, 4).unwrap()
+}
+
+fn settings(max_length: usize) -> SessionSettings {
+    let mut s = SessionSettings::new(MODEL, 4, max_length, WireDType::F32);
+    s.expected_blocks = Some(expected_hashes());
+    s.timeout = Duration::from_secs(10);
+    s.discovery_timeout = Duration::from_secs(10);
+    s
+}
+
+fn request(seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        prompt_ids: vec![1, 5 + seed as u32 % 40, 17, 3, 9],
+        max_new_tokens: NEW_TOKENS,
+        sampling: SamplingParams {
+            temperature: 0.8,
+            seed,
+            ..Default::default()
+        },
+        stop_at_eos: false,
+    }
+}
+
+/// The whole model in this process: what every honest answer must equal.
+struct Reference {
+    head: ClientHead,
+    spans: Vec<BlockSpan>,
+}
+
+impl Reference {
+    fn load() -> Self {
+        let ck = Checkpoint::open(tiny_llama()).unwrap();
+        Reference {
+            head: ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap(),
+            spans: vec![BlockSpan::load(&ck, 0, 4, DType::F32, &Device::Cpu).unwrap()],
+        }
+    }
+
+    async fn tokens(&self, seed: u64) -> Vec<u32> {
+        let req = request(seed);
+        let mut chain = LocalChain::new(&self.spans, req.max_length()).unwrap();
+        generate(&self.head, &mut chain, &req, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap()
+        .generated_ids
+    }
+}
+
+async fn swarm_tokens(
+    reference: &Reference,
+    node: &NodeHandle,
+    settings: SessionSettings,
+    seed: u64,
+) -> (Vec<u32>, RemoteChain) {
+    let mut chain = RemoteChain::connect(node, settings, &Device::Cpu)
+        .await
+        .unwrap();
+    let out = generate(&reference.head, &mut chain, &request(seed), |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    (out.generated_ids, chain)
+}
+
+fn open_frame(max_length: u32, flow_window: u32) -> Vec<u8> {
+    Request::Open(OpenRequest {
+        model: MODEL.into(),
+        fingerprint: span_hash(&expected_hashes()),
+        start: 0,
+        end: 4,
+        max_length,
+        dtype: WireDType::F32,
+        flow_window,
+    })
+    .encode()
+}
+
+async fn sessions_in_use(watcher: &NodeHandle, server: &RunningServer) -> u32 {
+    fetch_info(
+        &mut watcher.control(),
+        server.peer_id(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap()
+    .sessions
+}
+
+async fn client_of(server: &RunningServer) -> NodeHandle {
+    connect(&[server.tcp_addr().unwrap().clone()])
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_lock_a_server() {
+    let reference = Reference::load();
+    let server = start_server(
+        "0:4",
+        None,
+        &["--max-sessions", "8", "--session-timeout", "2s"],
+    )
+    .await;
+    let peer = server.peer_id();
+    let attacker = client_of(&server).await;
+    let watcher = client_of(&server).await;
+
+    // 1. Sessions per peer: a quarter of 8.
+    let mut held = Vec::new();
+    let mut refusals = Vec::new();
+    for _ in 0..8 {
+        let mut s = open_stream(&attacker, peer).await;
+        match exchange(&mut s, &open_frame(64, 0)).await {
+            Some((None, _)) => held.push(s),
+            Some((Some(code), message)) => refusals.push((code, message)),
+            None => refusals.push((ErrorCode::Busy, "stream refused".into())),
+        }
+    }
+    assert_eq!(held.len(), 2, "{refusals:?}");
+    assert!(
+        refusals
+            .iter()
+            .all(|(code, m)| *code == ErrorCode::Busy && m.contains("busy")),
+        "{refusals:?}"
+    );
+    // Meanwhile an honest client gets the reference tokens.
+    let honest = client_of(&server).await;
+    let (tokens, chain) = swarm_tokens(&reference, &honest, settings(64), 1).await;
+    assert_eq!(tokens, reference.tokens(1).await);
+    chain.close().await;
+
+    // 2. Bad frames do not keep a session alive: an empty frame every
+    // 500 ms gets an error, and the third in a row closes the stream.
+    let mut pest = held.pop().unwrap();
+    let mut closed_after = None;
+    for i in 1..=5 {
+        match exchange(&mut pest, b"").await {
+            Some((Some(ErrorCode::BadFrame), m)) if m.contains("in a row") => {
+                closed_after = Some(i);
+                break;
+            }
+            Some((Some(ErrorCode::BadFrame), _)) => {}
+            other => panic!("bad frame {i}: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(closed_after, Some(3));
+    assert!(read_reply(&mut pest, Duration::from_secs(2))
+        .await
+        .is_none());
+
+    // 3. Silence: the other held session expires after 2 s without progress.
+    let mut idle = held.pop().unwrap();
+    let reply = read_reply(&mut idle, Duration::from_secs(5)).await;
+    assert!(
+        matches!(&reply, Some((Some(ErrorCode::Timeout), _))),
+        "{reply:?}"
+    );
+
+    // 4. A window below the minimum is refused; a session that never
+    // acknowledges its 8000-byte window loses its slot within the write
+    // deadline (the session timeout here).
+    let mut tiny = open_stream(&attacker, peer).await;
+    let reply = exchange(&mut tiny, &open_frame(64, 1)).await;
+    assert!(
+        matches!(&reply, Some((Some(ErrorCode::BadFrame), m)) if m.contains("minimum")),
+        "{reply:?}"
+    );
+    let mut stingy = open_stream(&attacker, peer).await;
+    let reply = exchange(&mut stingy, &open_frame(64, 8000)).await;
+    assert!(matches!(&reply, Some((None, _))), "{reply:?}");
+    // 40 positions of 64 f32 = 10 KB of output: more than the window.
+    let step = encode_step(0, &hidden_payload(40, 64));
+    corolla_shared::framing::write_frame(&mut stingy, &step)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    while sessions_in_use(&watcher, &server).await > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "the unacknowledging session still holds its slot"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = stingy.close().await;
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announced_frame_lengths_cost_nothing_until_sent() {
+    // Sessions as long as the flag allows, but the frame limit follows the
+    // model's 256 positions: 256 x 64 x 4 bytes of hidden states.
+    let server = start_server("0:4", None, &["--inference-max-length", "100000"]).await;
+    let peer = server.peer_id();
+    let watcher = client_of(&server).await;
+    let record = fetch_info(&mut watcher.control(), peer, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(record.max_length, 256);
+    let attacker = client_of(&server).await;
+    let mut s = open_stream(&attacker, peer).await;
+    s.write_all(&(200_000u32).to_le_bytes()).await.unwrap();
+    s.flush().await.unwrap();
+    let reply = read_reply(&mut s, Duration::from_secs(5)).await;
+    assert!(
+        matches!(&reply, Some((Some(ErrorCode::TooLong), m)) if m.contains("exceeds the limit")),
+        "{reply:?}"
+    );
+
+    server.shutdown();
+
+    // A wider model, whose largest frame is 4 MiB: many peers, each
+    // announcing it on every stream it may open (6 a peer, 40 in all), then
+    // sending 10 bytes of it.
+    let tmp = tempfile::tempdir().unwrap();
+    let wide = tmp.path().join("wide");
+    let spec = RandomSpec {
+        hidden_size: 1024,
+        num_layers: 1,
+        num_heads: 8,
+        num_kv_heads: 4,
+        intermediate_size: 256,
+        vocab_size: 64,
+        max_positions: 1024,
+        seed: 3,
+    };
+    write_random_checkpoint(&wide, &spec).unwrap();
+    let server = start_model_server(&wide, "0:1", None, &[]).await;
+    let peer = server.peer_id();
+    let max_frame: u32 = 1024 * 1024 * 4 + 64 * 1024;
+    let before = resident_memory_bytes();
+    let mut streams = Vec::new();
+    let mut attackers = Vec::new();
+    for _ in 0..6 {
+        let node = client_of(&server).await;
+        attackers.push(node.clone());
+        for j in 0..6 {
+            let mut s = open_stream(&node, peer).await;
+            let mut bytes = max_frame.to_le_bytes().to_vec();
+            bytes.extend_from_slice(&[0; 10]);
+            s.write_all(&bytes)
+                .await
+                .unwrap_or_else(|e| panic!("peer {} stream {j}: {e}", attackers.len()));
+            s.flush().await.unwrap();
+            streams.push(s);
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let grown = resident_memory_bytes().saturating_sub(before);
+    let naive = streams.len() as u64 * u64::from(max_frame);
+    println!(
+        "announced frames: {} streams x {max_frame} bytes announced ({} MiB if allocated up front); resident memory grew {} KiB",
+        streams.len(),
+        naive >> 20,
+        grown >> 10
+    );
+    assert!(
+        grown < naive / 2,
+        "grew {grown} bytes for {naive} announced"
+    );
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nobody_can_forge_a_servers_record() {
+    let server = start_server("0:4", None, &["--update-period", "60s"]).await;
+    let boot = server.tcp_addr().unwrap().clone();
+    let honest = server.peer_id();
+    let key = server_dht_key(&honest);
+    let client = connect(std::slice::from_ref(&boot)).await.unwrap();
+    let before = client
+        .discover(MODEL, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(before.len(), 1);
+
+    // An unsigned record with other hashes, then the honest record signed
+    // by another key, then an honest signature over altered content.
+    let mut forged = before[0].clone();
+    forged.block_hashes = vec!["bogus".into(); 4];
+    forge_record(&boot, key.clone(), forged.to_bytes()).await;
+    let other = libp2p::identity::Keypair::generate_ed25519();
+    forge_record(&boot, key.clone(), forged.sign(&other).unwrap()).await;
+    // A record the attacker may sign, under the honest server's key.
+    let mut theirs = forged.clone();
+    theirs.peer_id = other.public().to_peer_id().to_string();
+    forge_record(&boot, key, theirs.sign(&other).unwrap()).await;
+
+    let fresh = connect(&[boot]).await.unwrap();
+    let after = fresh.discover(MODEL, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(after[0].block_hashes, expected_hashes());
+    assert_eq!(after[0].peer_id, honest.to_string());
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lies_about_speed_and_impossible_outputs_are_survived() {
+    let reference = Reference::load();
+    let server = start_server("0:4", None, &["--update-period", "1s"]).await;
+    let boot = server.tcp_addr().unwrap().clone();
+    let watcher = client_of(&server).await;
+    let honest = fetch_info(
+        &mut watcher.control(),
+        server.peer_id(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    for (seed, lie) in [
+        Lie::NotANumber,
+        Lie::Infinity,
+        Lie::ExtraPosition,
+        Lie::WrongHiddenSize,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (liar, task) = lying_server(&boot, &honest, lie).await;
+        let node = connect(std::slice::from_ref(&boot)).await.unwrap();
+        // Wait until the liar's record is out there.
+        let started = Instant::now();
+        while !node
+            .discover(MODEL, Duration::from_secs(2))
+            .await
+            .unwrap()
+            .iter()
+            .any(|r| r.peer_id == liar.to_string())
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "liar not announced"
+            );
+        }
+        let (tokens, chain) = swarm_tokens(&reference, &node, settings(64), seed as u64).await;
+        assert_eq!(tokens, reference.tokens(seed as u64).await, "{lie:?}");
+        let failed: Vec<&str> = chain
+            .recoveries()
+            .iter()
+            .map(|r| r.failed_peer.as_str())
+            .collect();
+        assert_eq!(
+            failed,
+            [liar.to_string()],
+            "{lie:?}: the liar was chosen first and dropped"
+        );
+        assert!(
+            chain.route().iter().all(|h| h.peer_id != liar.to_string()),
+            "{lie:?}"
+        );
+        chain.close().await;
+        task.abort();
+    }
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spot_checks_catch_a_corrupting_replica() {
+    let reference = Reference::load();
+    let flags = ["--update-period", "1s"];
+    let first = start_server("0:2", None, &flags).await;
+    let boot = first.tcp_addr().unwrap().to_string();
+    // The honest replica is the slower one, so routes choose the corrupter.
+    let honest = start_server(
+        "2:4",
+        Some(&boot),
+        &["--update-period", "1s", "--step-delay-ms", "30"],
+    )
+    .await;
+    let corrupt = start_server(
+        "2:4",
+        Some(&boot),
+        &["--update-period", "1s", "--corrupt-outputs", "1.0"],
+    )
+    .await;
+    let (honest_id, corrupt_id) = (honest.peer_id().to_string(), corrupt.peer_id().to_string());
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let started = Instant::now();
+    while node
+        .discover(MODEL, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .len()
+        < 3
+    {
+        assert!(started.elapsed() < Duration::from_secs(15));
+    }
+    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
+    let referee =
+        Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block");
+
+    // Spot checks off, the corrupter forced: the corruption shows.
+    let mut changed = 0;
+    for seed in 0..3 {
+        let mut s = settings(request(seed).max_length());
+        s.blocked_servers = HashSet::from([honest_id.clone()]);
+        let (tokens, chain) = swarm_tokens(&reference, &node, s, seed).await;
+        changed += usize::from(tokens != reference.tokens(seed).await);
+        chain.close().await;
+    }
+    assert!(
+        changed > 0,
+        "the corruption changed no token: the test could not fail"
+    );
+
+    // Spot checks on every step: 30 answers, all honest, the corrupter
+    // named in each (routes choose it first), the honest replica never.
+    let mut caught_as_primary = 0;
+    for seed in 0..30 {
+        let mut s = settings(request(seed).max_length());
+        s.spot_check = 1.0;
+        // Two replicas disagreeing need a third opinion: the client's own blocks.
+        s.referee = Some(referee.clone());
+        let (tokens, mut chain) = swarm_tokens(&reference, &node, s, seed).await;
+        assert_eq!(tokens, reference.tokens(seed).await, "seed {seed}");
+        let suspects = chain.take_suspects();
+        assert_eq!(suspects, std::slice::from_ref(&corrupt_id), "seed {seed}");
+        caught_as_primary += usize::from(
+            chain
+                .recoveries()
+                .iter()
+                .any(|r| r.failed_peer == corrupt_id),
+        );
+        assert!(chain.route().iter().all(|h| h.peer_id != corrupt_id));
+        chain.close().await;
+    }
+    println!(
+        "spot checks: 30 answers, corrupter caught in 30 ({caught_as_primary} as the primary)"
+    );
+    assert!(caught_as_primary >= 15);
+    for s in [first, honest, corrupt] {
+        s.shutdown();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_named_quickly() {
+    let server = start_server(
+        "0:4",
+        None,
+        &["--inference-max-length", "32", "--max-sessions", "1"],
+    )
+    .await;
+    let node = client_of(&server).await;
+    // Longer than the server allows.
+    let started = Instant::now();
+    let err = RemoteChain::connect(&node, settings(64), &Device::Cpu)
+        .await
+        .err()
+        .expect("refused");
+    let message = err.to_string();
+    assert!(message.contains("max_length 64 exceeds 32"), "{message}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Busy: the one session is taken.
+    let other = client_of(&server).await;
+    let mut s = open_stream(&other, server.peer_id()).await;
+    assert!(matches!(
+        exchange(&mut s, &open_frame(16, 0)).await,
+        Some((None, _))
+    ));
+    let started = Instant::now();
+    let err = RemoteChain::connect(&node, settings(16), &Device::Cpu)
+        .await
+        .err()
+        .expect("busy");
+    assert!(err.to_string().contains("busy: 1/1 sessions"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(8));
+
+    // An unreachable bootstrap peer.
+    let dead: libp2p::Multiaddr = format!("/ip4/127.0.0.1/tcp/9/p2p/{}", libp2p::PeerId::random())
+        .parse()
+        .unwrap();
+    let err = connect(&[dead]).await.err().expect("unreachable");
+    assert!(
+        err.to_string().contains("cannot reach the bootstrap peer"),
+        "{err}"
+    );
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaving_server_says_so_and_the_answer_goes_on() {
+    let reference = Reference::load();
+    let flags = ["--update-period", "1s"];
+    let a = start_server("0:4", None, &flags).await;
+    let boot = a.tcp_addr().unwrap().to_string();
+    let b = start_server("0:4", Some(&boot), &flags).await;
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let started = Instant::now();
+    while node
+        .discover(MODEL, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .len()
+        < 2
+    {
+        assert!(started.elapsed() < Duration::from_secs(15));
+    }
+    // Pin the answer on b, then let b leave under it.
+    let mut s = settings(64);
+    s.allowed_servers = None;
+    let mut chain = RemoteChain::connect(&node, s, &Device::Cpu).await.unwrap();
+    let used = chain.route()[0].peer_id.clone();
+    let (leaver, stayer) = if used == b.peer_id().to_string() {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    let leave = tokio::spawn(leaver.leave());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let out = generate(&reference.head, &mut chain, &request(3), |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.generated_ids, reference.tokens(3).await);
+    let recovery = &chain.recoveries()[0];
+    assert!(recovery.error.contains("shutting down"), "{recovery:?}");
+    chain.close().await;
+    leave.await.unwrap();
+    // The DHT was told: a fresh lookup lists only the server that stayed.
+    let fresh = connect(&[stayer.tcp_addr().unwrap().clone()])
+        .await
+        .unwrap();
+    let found = fresh.discover(MODEL, Duration::from_secs(3)).await.unwrap();
+    assert_eq!(
+        found.iter().map(|r| r.peer_id.clone()).collect::<Vec<_>>(),
+        [stayer.peer_id().to_string()]
+    );
+    stayer.shutdown();
+}
