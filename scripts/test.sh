@@ -46,4 +46,7 @@ step "tests"
 # the openai package is missing.
 COROLLA_REQUIRE_BROWSER=1 COROLLA_REQUIRE_OPENAI=1 cargo test --workspace --locked
 
+step "fuzzing: each cargo-fuzz target for 30 s (when a nightly toolchain is present)"
+bash scripts/fuzz.sh --seconds 30
+
 step "all tests passed"

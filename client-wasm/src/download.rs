@@ -4,7 +4,7 @@
 //! next visit downloads nothing.
 
 use js_sys::{Function, Reflect, Uint8Array};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sha2::{Digest, Sha256};
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
@@ -12,28 +12,13 @@ use web_sys::{Cache, Response};
 
 /// Cache API bucket; entries are keyed by URL and digest.
 const CACHE_NAME: &str = "corolla-model-v1";
-/// A manifest is a short file list; anything larger is not one.
-const MAX_MANIFEST_BYTES: usize = 1 << 20;
-/// wasm32 memory ends at 4 GiB and the head is expanded after download.
-const MAX_PART_BYTES: u64 = 2 << 30;
 /// Progress callbacks at most this often (bytes).
 const PROGRESS_STEP: usize = 1 << 20;
 /// Reserved before the first byte arrives; the manifest's size is only a
 /// claim, so more is grown as the body really comes in.
 const INITIAL_RESERVE: usize = 64 << 20;
 
-#[derive(Debug, Deserialize)]
-pub struct Manifest {
-    pub model: String,
-    pub files: Vec<ManifestFile>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct ManifestFile {
-    pub name: String,
-    pub size: u64,
-    pub sha256: String,
-}
+use corolla_shared::manifest::{ClientFile, ClientManifest};
 
 #[derive(Serialize)]
 struct Progress<'a> {
@@ -78,7 +63,7 @@ async fn fetch(url: &str) -> Result<Response, String> {
 }
 
 /// The manifest at `base/model/manifest.json`, checked.
-pub async fn manifest(base: &str) -> Result<Manifest, String> {
+pub async fn manifest(base: &str) -> Result<ClientManifest, String> {
     let url = format!("{base}/model/manifest.json");
     let response = fetch(&url).await?;
     let text = JsFuture::from(response.text().map_err(|e| js_error(&url, e))?)
@@ -86,36 +71,7 @@ pub async fn manifest(base: &str) -> Result<Manifest, String> {
         .map_err(|e| js_error(&url, e))?
         .as_string()
         .unwrap_or_default();
-    if text.len() > MAX_MANIFEST_BYTES {
-        return Err(format!(
-            "{url}: {} bytes is too large for a manifest",
-            text.len()
-        ));
-    }
-    let manifest: Manifest =
-        serde_json::from_str(&text).map_err(|e| format!("{url}: not a model manifest: {e}"))?;
-    let mut total = 0u64;
-    for file in &manifest.files {
-        let plain = !file.name.is_empty()
-            && !file.name.starts_with('.')
-            && file
-                .name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
-        if !plain {
-            return Err(format!("{url}: {:?} is not a plain file name", file.name));
-        }
-        if file.sha256.len() != 64 || !file.sha256.chars().all(|c| c.is_ascii_hexdigit()) {
-            return Err(format!("{url}: {}: bad SHA-256", file.name));
-        }
-        total = total.saturating_add(file.size);
-    }
-    if total > MAX_PART_BYTES {
-        return Err(format!(
-            "{url}: the client part is {total} bytes; a page can hold at most {MAX_PART_BYTES}"
-        ));
-    }
-    Ok(manifest)
+    ClientManifest::parse(text.as_bytes()).map_err(|e| format!("{url}: {e}"))
 }
 
 /// The model cache, where the page may have one: the Cache API exists only
@@ -132,7 +88,7 @@ pub async fn open_cache() -> Option<Cache> {
     cache.dyn_into().ok()
 }
 
-async fn cached(cache: &Cache, key: &str, file: &ManifestFile) -> Option<Vec<u8>> {
+async fn cached(cache: &Cache, key: &str, file: &ClientFile) -> Option<Vec<u8>> {
     let hit = JsFuture::from(cache.match_with_str(key)).await.ok()?;
     let response: Response = hit.dyn_into().ok()?;
     let buffer = JsFuture::from(response.array_buffer().ok()?).await.ok()?;
@@ -158,7 +114,7 @@ fn report(on_progress: &Function, file: &str, loaded: u64, total: u64, cached: b
 /// progress), checked, and put in `cache`.
 pub async fn file(
     base: &str,
-    file: &ManifestFile,
+    file: &ClientFile,
     cache: Option<&Cache>,
     on_progress: &Function,
 ) -> Result<Vec<u8>, String> {

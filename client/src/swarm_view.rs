@@ -350,6 +350,22 @@ impl SwarmView {
         }
     }
 
+    /// Lifts the bans of servers that only refused for want of sessions
+    /// (after this client released some of its own).
+    pub fn forgive_busy(&self) {
+        let mut state = self.state();
+        let busy: Vec<String> = state
+            .last_failure
+            .iter()
+            .filter(|(_, why)| why.starts_with("busy"))
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        for peer in busy {
+            state.last_failure.remove(&peer);
+            state.bans.remove(&peer);
+        }
+    }
+
     /// Bans `peer` after `why`, kept for error messages; see [`Self::ban`].
     pub fn ban_for(&self, peer: &str, why: &str) {
         self.state()

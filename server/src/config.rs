@@ -164,6 +164,13 @@ pub struct ServerArgs {
     /// or files holding one per line); everyone else is refused.
     #[arg(long, env = "COROLLA_ALLOWED_PEERS", value_delimiter = ',')]
     pub allowed_peers: Vec<String>,
+    /// HTTP connections served at once; more are closed on arrival (the
+    /// libp2p side keeps its own descriptors).
+    #[arg(long, env = "COROLLA_HTTP_MAX_CONNECTIONS", default_value_t = 256)]
+    pub http_max_connections: usize,
+    /// A request's head must arrive within this.
+    #[arg(long, env = "COROLLA_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
     /// TESTING AID, never for a real swarm: answer this share of steps with
     /// plausible but wrong activations (noise of a tenth of their RMS), to
     /// test clients' spot checks, like --step-delay-ms tests routing.

@@ -3,6 +3,7 @@
 //! final norm, LM head, listed with sizes and SHA-256 in a manifest so a page
 //! can show progress and cache by digest), and a JSON status. Only GET; CORS
 //! is open, since an embedded widget fetches from other sites' pages.
+//! Connections and requests are bounded by `http_guard`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,26 +24,14 @@ use corolla_model::Checkpoint;
 use libp2p::multiaddr::Protocol;
 use libp2p::Multiaddr;
 
+pub use corolla_shared::manifest::{ClientFile, ClientManifest};
+
 use crate::config::ServerArgs;
 use crate::error::ServerError;
+use crate::http_guard::{guard_request, serve_bounded, Guard, HttpLimits};
 use crate::hub::ModelSource;
 use crate::session::SessionContext;
 use crate::tls::TlsIdentity;
-
-/// One file of the client part.
-#[derive(Debug, Clone, Serialize)]
-pub struct ClientFile {
-    pub name: String,
-    pub size: u64,
-    pub sha256: String,
-}
-
-/// `GET /model/manifest.json`: every other file of the client part.
-#[derive(Debug, Clone, Serialize)]
-pub struct ClientManifest {
-    pub model: String,
-    pub files: Vec<ClientFile>,
-}
 
 /// `GET /api/status`: the live record plus how browsers reach this server.
 #[derive(Serialize)]
@@ -117,6 +106,11 @@ pub(crate) async fn start(
     });
     let config = HttpConfig {
         listen: SocketAddr::new(args.host, port),
+        limits: HttpLimits {
+            max_connections: args.http_max_connections,
+            header_timeout: args.http_header_timeout,
+            ..HttpLimits::default()
+        },
         public_host,
         web_dir: args.web_dir.clone(),
         tls,
@@ -137,6 +131,7 @@ pub(crate) async fn start(
 /// What `serve` needs besides the sessions' context.
 struct HttpConfig {
     listen: SocketAddr,
+    limits: HttpLimits,
     /// The public host name or IP written into URLs (the listen IP by default).
     public_host: String,
     web_dir: Option<PathBuf>,
@@ -221,21 +216,18 @@ async fn serve(
             .fallback_service(ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html")))),
         None => app.fallback(get(no_page)),
     };
-    let app = app.layer(CorsLayer::permissive()).with_state(state);
+    let guard = Arc::new(Guard::new(config.web_dir.as_deref()));
+    let app = app
+        .layer(axum::middleware::from_fn_with_state(guard, guard_request))
+        .layer(CorsLayer::permissive())
+        .with_state(state);
+    let limits = config.limits;
     let task = match &config.tls {
         Some(identity) => {
             let listener = crate::tls::TlsListener::new(listener, identity)?;
-            tokio::spawn(async move {
-                if let Err(e) = axum::serve(listener, app).await {
-                    tracing::warn!(error = %e, "the HTTPS server stopped");
-                }
-            })
+            tokio::spawn(serve_bounded(listener, app, limits))
         }
-        None => tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::warn!(error = %e, "the HTTP server stopped");
-            }
-        }),
+        None => tokio::spawn(serve_bounded(listener, app, limits)),
     };
     Ok((local, http, task))
 }

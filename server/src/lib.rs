@@ -10,6 +10,7 @@ mod admission;
 pub mod config;
 mod error;
 mod http;
+mod http_guard;
 mod hub;
 mod identity;
 mod measure;

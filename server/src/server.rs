@@ -171,6 +171,10 @@ pub struct Server;
 
 impl Server {
     pub async fn start(args: ServerArgs) -> Result<RunningServer, ServerError> {
+        match crate::http_guard::raise_open_file_limit() {
+            Some(n) => tracing::debug!(open_files = n, "open-file limit"),
+            None => tracing::debug!("cannot read the open-file limit"),
+        }
         if args.new_swarm != args.initial_peers.is_empty() {
             return Err(ServerError::Config(
                 "pass --new-swarm to start a swarm, or --initial-peers to join one".into(),

@@ -77,18 +77,14 @@ impl TlsIdentity {
     }
 }
 
-/// An https listener for `axum::serve`: handshakes run in their own tasks
+/// An https listener for `http_guard::serve_bounded`: handshakes run in their own tasks
 /// (with a deadline), so a slow or silent client never holds up the others.
 pub struct TlsListener {
-    local: SocketAddr,
     ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
 }
 
 impl TlsListener {
     pub fn new(listener: TcpListener, identity: &TlsIdentity) -> Result<Self, ServerError> {
-        let local = listener
-            .local_addr()
-            .map_err(|e| ServerError::Config(e.to_string()))?;
         let acceptor = TlsAcceptor::from(Arc::new(identity.server_config()?));
         let (tx, ready) = mpsc::channel(ACCEPT_QUEUE);
         tokio::spawn(async move {
@@ -117,23 +113,17 @@ impl TlsListener {
                 });
             }
         });
-        Ok(TlsListener { local, ready })
+        Ok(TlsListener { ready })
     }
 }
 
-impl axum::serve::Listener for TlsListener {
+impl crate::http_guard::Accept for TlsListener {
     type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
 
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+    async fn accept(&mut self) -> std::io::Result<Self::Io> {
         match self.ready.recv().await {
-            Some(conn) => conn,
-            // The accept task ends only with the runtime.
+            Some((conn, _)) => Ok(conn),
             None => std::future::pending().await,
         }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
     }
 }

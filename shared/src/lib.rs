@@ -12,6 +12,7 @@ pub mod browser;
 pub mod flow;
 pub mod framing;
 pub mod limits;
+pub mod manifest;
 #[cfg(feature = "native")]
 pub mod native;
 pub mod node;

@@ -229,3 +229,116 @@ async fn a_gguf_server_serves_a_gguf_client_part_with_its_tokenizer() {
     .unwrap();
     server.shutdown();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_refuses_floods_long_paths_dotfiles_and_the_way_out() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    let web = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(web.path().join("index.html"), "<title>Corolla chat</title>").unwrap();
+    std::fs::write(web.path().join(".env"), "SECRET=1").unwrap();
+    std::fs::write(outside.path().join("secret.txt"), "outside").unwrap();
+    std::os::unix::fs::symlink(
+        outside.path().join("secret.txt"),
+        web.path().join("leak.txt"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(outside.path(), web.path().join("elsewhere")).unwrap();
+    let server = start_server(
+        "0:4",
+        None,
+        &[
+            "--http-port",
+            "0",
+            "--web-dir",
+            web.path().to_str().unwrap(),
+            "--http-max-connections",
+            "16",
+            "--http-header-timeout",
+            "1s",
+        ],
+    )
+    .await;
+    let http = server.http_url().unwrap().to_string();
+    let host = http.trim_start_matches("http://").to_string();
+
+    let base = http.clone();
+    tokio::task::spawn_blocking(move || {
+        let status = |path: &str| get(&format!("{base}{path}")).0;
+        assert_eq!(status("/index.html"), 200);
+        assert_eq!(status("/.env"), 404);
+        assert_eq!(status("/%2eenv"), 404);
+        assert_eq!(status("/leak.txt"), 404);
+        assert_eq!(status("/elsewhere/secret.txt"), 404);
+        assert_eq!(status(&format!("/{}", "a".repeat(256))), 404);
+        assert_eq!(status(&format!("/{}", "a/".repeat(1500))), 414);
+        assert_eq!(status("/api/status"), 200);
+    })
+    .await
+    .unwrap();
+
+    // A head that never ends is cut off at the header deadline.
+    let addr = host.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut half = TcpStream::connect(&addr).unwrap();
+        half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").unwrap();
+        half.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let started = Instant::now();
+        let mut buf = Vec::new();
+        let _ = half.read_to_end(&mut buf);
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "a half-sent request stayed open {:?}",
+            started.elapsed()
+        );
+        // A 350 KB header is refused, not buffered.
+        let mut big = TcpStream::connect(&addr).unwrap();
+        let mut request = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
+        request.extend(std::iter::repeat_n(b'a', 350_000));
+        let _ = big.write_all(&request);
+        big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut answer = Vec::new();
+        let _ = big.read_to_end(&mut answer);
+        let head = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.is_empty() || head.starts_with("HTTP/1.1 431"),
+            "{head}"
+        );
+    })
+    .await
+    .unwrap();
+
+    // 300 idle sockets: HTTP beyond 16 is closed on arrival, and the libp2p
+    // side still takes new peers.
+    let addr = host.clone();
+    let flood = tokio::task::spawn_blocking(move || {
+        (0..300)
+            .filter_map(|_| TcpStream::connect(&addr).ok())
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    assert!(flood.len() >= 16);
+    let node = corolla_client::network::connect(&[server.tcp_addr().unwrap().clone()])
+        .await
+        .unwrap();
+    let record = corolla_shared::session::fetch_info(
+        &mut node.control(),
+        server.peer_id(),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("inference answers while HTTP is flooded");
+    assert_eq!(record.end, 4);
+    drop(flood);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let base = http.clone();
+    let after = tokio::task::spawn_blocking(move || get(&format!("{base}/api/status")).0)
+        .await
+        .unwrap();
+    assert_eq!(after, 200);
+    server.shutdown();
+}

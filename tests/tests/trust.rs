@@ -569,3 +569,119 @@ async fn a_leaving_server_says_so_and_the_answer_goes_on() {
     );
     stayer.shutdown();
 }
+
+/// Chaos: kills, restarts, graceful leaves, a slow server and a corrupting
+/// replica at once, under spot checks on every step; every one of 100
+/// sessions must complete with the whole model's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_with_a_liar_every_session_completes_token_identical() {
+    use std::sync::Mutex;
+    const SESSIONS: u64 = 100;
+    let reference = Reference::load();
+    let mut expected = Vec::new();
+    for seed in 0..SESSIONS {
+        expected.push(reference.tokens(seed).await);
+    }
+    let flags = ["--update-period", "1s", "--inference-max-length", "64"];
+    let first = start_server("0:2", None, &flags).await;
+    let boot = first.tcp_addr().unwrap().to_string();
+    let with = |extra: &[&'static str]| [&flags[..], extra].concat();
+    let corrupt = start_server("2:4", Some(&boot), &with(&["--corrupt-outputs", "0.5"])).await;
+    let corrupt_id = corrupt.peer_id().to_string();
+    // Honest servers: two of each span, one of them slow.
+    let mut honest = vec![first];
+    honest.push(start_server("0:2", Some(&boot), &with(&["--step-delay-ms", "20"])).await);
+    honest.push(start_server("2:4", Some(&boot), &flags).await);
+    honest.push(start_server("2:4", Some(&boot), &flags).await);
+    let honest = Arc::new(Mutex::new(honest));
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
+    let referee = Referee::new(checkpoint, DType::F32, Device::Cpu).unwrap();
+
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let chaos = {
+        let (honest, done, boot) = (honest.clone(), done.clone(), boot.clone());
+        tokio::spawn(async move {
+            let (mut kills, mut leaves) = (0u32, 0u32);
+            let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+            let started = Instant::now();
+            while !done.load(std::sync::atomic::Ordering::Relaxed)
+                && started.elapsed() < Duration::from_secs(240)
+            {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let victim = {
+                    let mut all = honest.lock().unwrap();
+                    let i = (rng % all.len() as u64) as usize;
+                    let span = all[i].blocks();
+                    // Never the first server (the bootstrap), never the last honest one of a span.
+                    if i == 0 || all.iter().filter(|s| s.blocks() == span).count() < 2 {
+                        continue;
+                    }
+                    all.remove(i)
+                };
+                let (a, b) = victim.blocks();
+                if rng.is_multiple_of(2) {
+                    victim.shutdown();
+                    kills += 1;
+                } else {
+                    victim.leave().await;
+                    leaves += 1;
+                }
+                let blocks = format!("{a}:{b}");
+                let flags = ["--update-period", "1s", "--inference-max-length", "64"];
+                let fresh = start_server(&blocks, Some(&boot), &flags).await;
+                honest.lock().unwrap().push(fresh);
+            }
+            (kills, leaves)
+        })
+    };
+
+    let (mut mismatches, mut recoveries, mut caught) = (0, 0, 0);
+    let started = Instant::now();
+    for seed in 0..SESSIONS {
+        let mut s = settings(request(seed).max_length());
+        s.max_retries = 20;
+        s.spot_check = 1.0;
+        s.referee = Some(referee.clone());
+        let mut chain = RemoteChain::connect(&node, s, &Device::Cpu)
+            .await
+            .unwrap_or_else(|e| panic!("session {seed}: {e}"));
+        // Slow enough for the chaos to strike mid-answer.
+        let tokens = generate(&reference.head, &mut chain, &request(seed), |_| {
+            std::thread::sleep(Duration::from_millis(15));
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("session {seed} failed: {e}"))
+        .generated_ids;
+        mismatches += usize::from(tokens != expected[seed as usize]);
+        recoveries += chain.recoveries().len();
+        let suspects = chain.take_suspects();
+        assert!(
+            suspects.iter().all(|p| *p == corrupt_id),
+            "seed {seed}: an honest server was named: {suspects:?}"
+        );
+        caught += usize::from(!suspects.is_empty());
+        chain.close().await;
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (kills, leaves) = chaos.await.unwrap();
+    println!(
+        "chaos with a liar: {SESSIONS} sessions in {:.0} s, {kills} kills, {leaves} graceful leaves, \
+         {recoveries} recoveries, corrupter caught in {caught}, {mismatches} mismatches",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(mismatches, 0);
+    assert!(
+        kills + leaves >= 5,
+        "too little chaos ({kills} kills, {leaves} leaves)"
+    );
+    assert!(caught >= 1, "the corrupter was never caught");
+    corrupt.shutdown();
+    for s in honest.lock().unwrap().drain(..) {
+        s.shutdown();
+    }
+}

@@ -19,9 +19,12 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::request::{check_coverage, fresh_seed, Job};
 use super::ApiState;
+use crate::error::ClientError;
 use crate::generate::StopReason;
 use crate::stop::StopSequences;
 use crate::text::TextStream;
+use corolla_shared::protocol::ErrorCode;
+use corolla_shared::session::SessionError;
 
 /// What the generation task reports.
 pub(super) enum Progress {
@@ -51,6 +54,15 @@ pub(super) fn spawn_answer(
     rx
 }
 
+/// Whether a failed answer was refused for want of sessions.
+fn is_busy(e: &ClientError) -> bool {
+    match e {
+        ClientError::Refused { reasons, .. } => reasons.iter().any(|r| r.contains("busy")),
+        ClientError::Session(SessionError::Remote { code, .. }) => *code == ErrorCode::Busy,
+        _ => false,
+    }
+}
+
 pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSender<Progress>) {
     let assistant = &state.assistant;
     let started = Instant::now();
@@ -60,30 +72,41 @@ pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSe
     let mut first_token = true;
     let mut decode_error = None;
     let tokenizer = assistant.tokenizer();
-    let result = assistant
-        .answer(&mut conversation, &job.request, |token| {
-            if first_token {
-                first_token = false;
-                state.metrics.time_to_first_token(started.elapsed());
-            }
-            let piece = match text.push(tokenizer, token) {
-                Ok(piece) => piece.unwrap_or_default(),
-                Err(e) => {
-                    decode_error = Some(e);
-                    return ControlFlow::Break(());
-                }
-            };
-            let (out, stopped) = stops.push(&piece);
-            if !out.is_empty() && tx.send(Progress::Text(out)).is_err() {
+    let mut on_token = |token| {
+        if first_token {
+            first_token = false;
+            state.metrics.time_to_first_token(started.elapsed());
+        }
+        let piece = match text.push(tokenizer, token) {
+            Ok(piece) => piece.unwrap_or_default(),
+            Err(e) => {
+                decode_error = Some(e);
                 return ControlFlow::Break(());
             }
-            if stopped || tx.is_closed() {
-                ControlFlow::Break(())
-            } else {
-                ControlFlow::Continue(())
-            }
-        })
+        };
+        let (out, stopped) = stops.push(&piece);
+        if !out.is_empty() && tx.send(Progress::Text(out)).is_err() {
+            return ControlFlow::Break(());
+        }
+        if stopped || tx.is_closed() {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    };
+    let mut result = assistant
+        .answer(&mut conversation, &job.request, &mut on_token)
         .await;
+    // Servers cap the sessions one peer (this API) holds: the conversations
+    // kept for follow-ups give theirs up for a request that needs them.
+    if result.as_ref().is_err_and(is_busy) && state.release_kept().await > 0 {
+        if let Some(view) = assistant.swarm_view() {
+            view.forgive_busy();
+        }
+        result = assistant
+            .answer(&mut conversation, &job.request, &mut on_token)
+            .await;
+    }
     let result = match (result, decode_error) {
         (_, Some(e)) | (Err(e), None) => Err(ApiError::from(e)),
         (Ok(answer), None) => {

@@ -151,6 +151,16 @@ impl ApiState {
         }
     }
 
+    /// Closes every kept conversation; returns how many there were.
+    async fn release_kept(&self) -> usize {
+        let kept = std::mem::take(&mut *lock(&self.kept));
+        let n = kept.len();
+        for conversation in kept {
+            conversation.close().await;
+        }
+        n
+    }
+
     fn keep_conversation(&self, conversation: Conversation) {
         if !conversation.is_open() {
             return;

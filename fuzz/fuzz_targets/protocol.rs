@@ -1,0 +1,15 @@
+//! Session requests and responses: any bytes, no panic.
+#![no_main]
+
+use corolla_shared::protocol::{Request, Response};
+use corolla_shared::Limits;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(request) = Request::decode(data, &Limits::DEFAULT) {
+        let _ = format!("{request:?}");
+    }
+    if let Ok(response) = Response::decode(data, &Limits::DEFAULT) {
+        let _ = format!("{response:?}");
+    }
+});
