@@ -4,6 +4,7 @@
 #
 #   scripts/fuzz.sh                 each target for 30 s (what the tests run)
 #   scripts/fuzz.sh --runs 10000000 each target for that many executions
+#   scripts/fuzz.sh --targets a,b   only these targets
 #   scripts/fuzz.sh --record        ... and writes the figures to RELIABILITY.md
 #
 # A crash stops the script with libFuzzer's report; the input lands in
@@ -21,7 +22,8 @@ while [ $# -gt 0 ]; do
         --seconds) seconds="$2"; shift 2 ;;
         --runs) runs="$2"; seconds=0; shift 2 ;;
         --record) record=yes; shift ;;
-        *) echo "usage: $0 [--seconds N | --runs N] [--record]" >&2; exit 2 ;;
+        --targets) IFS=, read -r -a chosen <<<"$2"; shift 2 ;;
+        *) echo "usage: $0 [--seconds N | --runs N] [--targets a,b] [--record]" >&2; exit 2 ;;
     esac
 done
 
@@ -35,6 +37,7 @@ if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
 fi
 
 targets=(tensor_payload protocol flow_receiver gguf manifest server_record)
+if [ -n "${chosen+x}" ]; then targets=("${chosen[@]}"); fi
 fuzz_dir="$CARGO_TARGET_DIR/fuzz"
 corpus_root="$(dirname "$CARGO_TARGET_DIR")/fuzz-corpus"
 # No clippy-driver for nightly builds.

@@ -32,7 +32,9 @@ pub struct GenerateRequest {
 impl GenerateRequest {
     /// Positions the session needs: the prompt and every token fed back.
     pub fn max_length(&self) -> usize {
-        self.prompt_ids.len() + self.max_new_tokens.saturating_sub(1)
+        self.prompt_ids
+            .len()
+            .saturating_add(self.max_new_tokens.saturating_sub(1))
     }
 }
 

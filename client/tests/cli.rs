@@ -150,6 +150,24 @@ fn bad_input_gives_one_clear_error() {
         "1000",
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("exceeds the model's 256 positions"));
+    // The largest number a user can type sizes nothing: one clear error, no panic.
+    let out = corolla(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--local",
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "18446744073709551615",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("exceeds the model's 256 positions"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
 
     let out = corolla(&[
         "convert",

@@ -105,6 +105,9 @@ fn default_eps() -> f64 {
 
 const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM"];
 
+/// The most positions a model may declare (4 Mi; Llama 3.1 has 128 Ki).
+pub const MAX_POSITIONS: usize = 1 << 22;
+
 impl LlamaConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
@@ -242,6 +245,14 @@ impl LlamaConfig {
         if raw.max_position_embeddings == 0 {
             return invalid("max_position_embeddings must be positive".into());
         }
+        // Rotary tables are precomputed for every position: bound them
+        // before anything is allocated.
+        if raw.max_position_embeddings > MAX_POSITIONS {
+            return invalid(format!(
+                "max_position_embeddings {} exceeds the supported {MAX_POSITIONS}",
+                raw.max_position_embeddings
+            ));
+        }
         if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps > 0.0) {
             return invalid(format!(
                 "rms_norm_eps {} must be positive",
@@ -342,6 +353,12 @@ mod tests {
 
     fn parse(extra: &str) -> Result<LlamaConfig> {
         LlamaConfig::from_json(&format!("{BASE}{extra}}}"))
+    }
+
+    #[test]
+    fn huge_position_counts_are_refused_before_allocating() {
+        let err = parse(r#","max_position_embeddings":1000000000000"#).unwrap_err();
+        assert!(err.to_string().contains("exceeds the supported"), "{err}");
     }
 
     #[test]

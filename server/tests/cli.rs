@@ -156,3 +156,56 @@ fn settings_come_from_a_config_file_and_the_environment() {
     );
     assert_eq!(second["peer_id"].as_str(), Some(peer.as_str()));
 }
+
+#[test]
+fn sigterm_leaves_gracefully() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("addr.json");
+    let mut child = server()
+        .env("RUST_LOG", "info")
+        .args([
+            "--model",
+            fixture().to_str().unwrap(),
+            "--new-swarm",
+            "--block-indices",
+            "0:4",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--addr-file",
+            addr_file.to_str().unwrap(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !addr_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "server never ready"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let stopping = Instant::now();
+    let exit = loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            stopping.elapsed() < Duration::from_secs(15),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(exit.success(), "{exit:?}: {stderr}");
+    assert!(stderr.contains("leaving the swarm"), "{stderr}");
+}

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use corolla_client::network::connect;
+use corolla_client::network::{connect, connect_with};
 use corolla_client::spot_check::Referee;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::{block_hashes, span_hash};
@@ -684,4 +684,56 @@ async fn chaos_with_a_liar_every_session_completes_token_identical() {
     for s in honest.lock().unwrap().drain(..) {
         s.shutdown();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_swarm_refuses_strangers_and_their_records() {
+    let flags = ["--update-period", "1s"];
+    let a = start_server("0:2", None, &flags).await;
+    let boot = a.tcp_addr().unwrap().clone();
+    let a_id = a.peer_id().to_string();
+    let b = start_server(
+        "2:4",
+        Some(&boot.to_string()),
+        &["--update-period", "1s", "--allowed-peers", &a_id],
+    )
+    .await;
+    // b speaks to a only: a stranger's connection is closed at once (the
+    // handshake may complete first), so nothing gets through.
+    if let Ok(stranger) = connect(&[b.tcp_addr().unwrap().clone()]).await {
+        let info = fetch_info(&mut stranger.control(), b.peer_id(), Duration::from_secs(3)).await;
+        assert!(info.is_err(), "b answered a stranger: {info:?}");
+    }
+    // Through a, everyone sees both servers...
+    let open = connect(std::slice::from_ref(&boot)).await.unwrap();
+    let started = Instant::now();
+    while open
+        .discover(MODEL, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .len()
+        < 2
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "b never announced"
+        );
+    }
+    // ...but a client allowing only a ignores b's entries.
+    let private = connect_with(
+        std::slice::from_ref(&boot),
+        Some(HashSet::from([a.peer_id()])),
+    )
+    .await
+    .unwrap();
+    let found = private
+        .discover(MODEL, Duration::from_secs(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        found.iter().map(|r| r.peer_id.clone()).collect::<Vec<_>>(),
+        [a_id]
+    );
+    a.shutdown();
+    b.shutdown();
 }
