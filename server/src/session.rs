@@ -244,6 +244,8 @@ pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>
             break;
         }
     }
+    // Free the cache and the slot before waiting for the stream to close.
+    drop(session);
     io.close().await;
     tracing::debug!(%peer, "session closed");
 }

@@ -137,7 +137,16 @@ async fn the_openai_sdk_and_curl_use_a_swarm_through_the_api() {
     let Some(python) = openai_python() else {
         return;
     };
-    let extra = ["--update-period", "5s", "--http-port", "0"];
+    // One API process is one peer holding sessions for many users (and its
+    // kept conversations): a gateway's servers raise the per-peer cap.
+    let extra = [
+        "--update-period",
+        "5s",
+        "--http-port",
+        "0",
+        "--max-sessions-per-peer",
+        "16",
+    ];
     let first = start_model_server(&model, "0:10", None, &extra).await;
     let peer = first.tcp_addr().expect("tcp address").to_string();
     let second = start_model_server(&model, "10:20", Some(&peer), &extra).await;

@@ -99,7 +99,12 @@ pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSe
         .await;
     // Servers cap the sessions one peer (this API) holds: the conversations
     // kept for follow-ups give theirs up for a request that needs them.
-    if result.as_ref().is_err_and(is_busy) && state.release_kept().await > 0 {
+    let mut tries = 0;
+    while result.as_ref().is_err_and(is_busy) && tries < 3 {
+        tries += 1;
+        state.release_kept().await;
+        // The servers free a slot once they have read the Close.
+        tokio::time::sleep(Duration::from_millis(300 * tries)).await;
         if let Some(view) = assistant.swarm_view() {
             view.forgive_busy();
         }

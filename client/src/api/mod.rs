@@ -151,14 +151,12 @@ impl ApiState {
         }
     }
 
-    /// Closes every kept conversation; returns how many there were.
-    async fn release_kept(&self) -> usize {
+    /// Closes every kept conversation.
+    async fn release_kept(&self) {
         let kept = std::mem::take(&mut *lock(&self.kept));
-        let n = kept.len();
         for conversation in kept {
             conversation.close().await;
         }
-        n
     }
 
     fn keep_conversation(&self, conversation: Conversation) {
