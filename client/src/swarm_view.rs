@@ -249,14 +249,7 @@ impl SwarmView {
             looked_up = true;
         }
         loop {
-            let costs = {
-                let state = self.state();
-                RouteCosts {
-                    rtt: state.rtt.clone(),
-                    max_length,
-                    measured_step: state.step_per_block.clone(),
-                }
-            };
+            let costs = self.costs(max_length);
             match plan_route_between(&self.usable_servers(), from, to, &costs) {
                 Ok(route) => return Ok(route),
                 Err(e) if Instant::now() >= deadline || looked_up && self.all_refused(from, to) => {
@@ -290,15 +283,17 @@ impl SwarmView {
             .into_iter()
             .filter(|r| !exclude.contains(&r.peer_id))
             .collect();
-        let costs = {
-            let state = self.state();
-            RouteCosts {
-                rtt: state.rtt.clone(),
-                max_length,
-                measured_step: state.step_per_block.clone(),
-            }
-        };
-        plan_route_between(&servers, from, to, &costs).ok()
+        plan_route_between(&servers, from, to, &self.costs(max_length)).ok()
+    }
+
+    /// What the router knows now: round trips and measured step times.
+    fn costs(&self, max_length: usize) -> RouteCosts {
+        let state = self.state();
+        RouteCosts {
+            rtt: state.rtt.clone(),
+            max_length,
+            measured_step: state.step_per_block.clone(),
+        }
     }
 
     /// Folds a measured decode step of `blocks` blocks on `peer` into its average.
