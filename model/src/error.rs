@@ -36,6 +36,8 @@ pub enum ModelError {
         end: usize,
         num_layers: usize,
     },
+    #[error("a decode batch takes one position per session, all through the same layers")]
+    BatchMismatch,
     #[error("position {end} exceeds the session's KV cache of {capacity} tokens")]
     CacheFull { end: usize, capacity: usize },
     #[error("start position {start} is past the {cached} tokens already in the cache")]

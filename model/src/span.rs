@@ -68,9 +68,60 @@ impl Attention {
         let q = rope.apply(&heads(&self.q_proj, nh)?, start)?;
         let k = rope.apply(&heads(&self.k_proj, nkv)?, start)?;
         let v = heads(&self.v_proj, nkv)?;
+        let out = self.attend(&q, &k, &v, start, cache, mask)?;
+        self.o_proj.forward(&out)
+    }
 
-        cache.keys.slice_set(&k, 2, start)?;
-        cache.values.slice_set(&v, 2, start)?;
+    /// One decode position for each of several sessions: `x` is `[B, hidden]`,
+    /// row `i` at position `starts[i]` of `caches[i]`. The projections run once
+    /// on all rows; attention runs per session against its own cache.
+    fn forward_decode_batch(
+        &self,
+        x: &Tensor,
+        starts: &[usize],
+        rope: &Rope,
+        caches: &mut [&mut LayerCache],
+    ) -> Result<Tensor> {
+        let b = starts.len();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q_all, k_all, v_all) = (
+            self.q_proj.forward(x)?,
+            self.k_proj.forward(x)?,
+            self.v_proj.forward(x)?,
+        );
+        let row_heads = |all: &Tensor, i: usize, n: usize| -> Result<Tensor> {
+            Ok(all
+                .narrow(0, i, 1)?
+                .reshape((1, 1, n, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let mut rows = Vec::with_capacity(b);
+        for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
+            let q = rope.apply(&row_heads(&q_all, i, nh)?, start)?;
+            let k = rope.apply(&row_heads(&k_all, i, nkv)?, start)?;
+            let v = row_heads(&v_all, i, nkv)?;
+            rows.push(self.attend(&q, &k, &v, start, cache, None)?);
+        }
+        let out = Tensor::cat(&rows, 0)?.reshape((b, nh * hd))?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Writes `k`, `v` (`[b, kv heads, t, hd]`) at `start` into the cache and
+    /// attends `q` to every cached position up to them: `[b, t, heads * hd]`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        start: usize,
+        cache: &mut LayerCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, _, t, _) = q.dims4()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        cache.keys.slice_set(k, 2, start)?;
+        cache.values.slice_set(v, 2, start)?;
         let total = start + t;
         let keys = cache.keys.narrow(2, 0, total)?;
         let values = cache.values.narrow(2, 0, total)?;
@@ -89,12 +140,11 @@ impl Attention {
             None => scores,
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(values.dtype())?;
-        let out = probs
+        Ok(probs
             .matmul(&values)?
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
-            .reshape((b, t, nh * hd))?;
-        self.o_proj.forward(&out)
+            .reshape((b, t, nh * hd))?)
     }
 }
 
@@ -151,6 +201,27 @@ impl DecoderLayer {
         let attn =
             self.self_attn
                 .forward(&self.input_layernorm.forward(x)?, start, rope, cache, mask)?;
+        let x = (x + attn)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok((x + mlp)?)
+    }
+
+    /// [`Self::forward`] for one decode position of each of several sessions (`x`: `[B, hidden]`).
+    fn forward_decode_batch(
+        &self,
+        x: &Tensor,
+        starts: &[usize],
+        rope: &Rope,
+        caches: &mut [&mut LayerCache],
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward_decode_batch(
+            &self.input_layernorm.forward(x)?,
+            starts,
+            rope,
+            caches,
+        )?;
         let x = (x + attn)?;
         let mlp = self
             .mlp
@@ -306,16 +377,10 @@ impl BlockSpan {
         })
     }
 
-    /// Runs `hidden` (`[1, T, hidden]`, positions `start..start+T`) through
-    /// the span. `start` may rewind into the cache (the positions from
-    /// `start` on are recomputed and overwritten) but may not skip ahead.
-    pub fn forward(
-        &self,
-        hidden: &Tensor,
-        start: usize,
-        cache: &mut SessionCache,
-    ) -> Result<Tensor> {
-        let dims = hidden.dims();
+    /// Checks that `hidden` (`[1, T, hidden]`) at position `start` fits `cache`,
+    /// whose layers this span holds: what [`Self::forward`] would refuse.
+    pub fn check_step(&self, hidden: &[usize], start: usize, cache: &SessionCache) -> Result<()> {
+        let dims = hidden;
         if dims.len() != 3 || dims[0] != 1 || dims[1] == 0 || dims[2] != self.config.hidden_size {
             return Err(ModelError::HiddenShape {
                 actual: dims.to_vec(),
@@ -335,12 +400,6 @@ impl BlockSpan {
                 capacity: cache.capacity,
             });
         }
-        let mask = if t > 1 {
-            Some(causal_mask(t, start, &self.device)?)
-        } else {
-            None
-        };
-        let mut x = hidden.to_dtype(self.dtype)?;
         let served = cache.layers();
         if served.start < self.start || served.end > self.end {
             return Err(ModelError::LayerRange {
@@ -349,13 +408,80 @@ impl BlockSpan {
                 num_layers: self.config.num_hidden_layers,
             });
         }
-        let first = served.start - self.start;
-        let layers = &self.layers[first..first + cache.layers.len()];
-        for (layer, layer_cache) in layers.iter().zip(cache.layers.iter_mut()) {
+        Ok(())
+    }
+
+    /// The layers a cache runs through, out of this span's.
+    fn layers_of(&self, cache: &SessionCache) -> &[DecoderLayer] {
+        let first = cache.first_layer - self.start;
+        &self.layers[first..first + cache.layers.len()]
+    }
+
+    /// Runs `hidden` (`[1, T, hidden]`, positions `start..start+T`) through
+    /// the span. `start` may rewind into the cache (the positions from
+    /// `start` on are recomputed and overwritten) but may not skip ahead.
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        start: usize,
+        cache: &mut SessionCache,
+    ) -> Result<Tensor> {
+        self.check_step(hidden.dims(), start, cache)?;
+        let t = hidden.dim(1)?;
+        let mask = if t > 1 {
+            Some(causal_mask(t, start, &self.device)?)
+        } else {
+            None
+        };
+        let mut x = hidden.to_dtype(self.dtype)?;
+        for (layer, layer_cache) in self.layers_of(cache).iter().zip(cache.layers.iter_mut()) {
             x = layer.forward(&x, start, &self.rope, layer_cache, mask.as_ref())?;
         }
         cache.len = start + t;
         Ok(x)
+    }
+
+    /// One decode step (`[1, 1, hidden]` each) for each of several sessions
+    /// as one forward: the projections and the MLP run on `[B, hidden]`, so
+    /// the weights are read once for all of them; attention runs per session
+    /// against its own cache at its own position. Every cache must serve the
+    /// same layers. Returns each session's `[1, 1, hidden]` output, in order.
+    pub fn forward_decode_batch(
+        &self,
+        steps: &mut [(Tensor, usize, &mut SessionCache)],
+    ) -> Result<Vec<Tensor>> {
+        let Some((_, _, first)) = steps.first() else {
+            return Ok(Vec::new());
+        };
+        let served = first.layers();
+        for (hidden, start, cache) in steps.iter() {
+            self.check_step(hidden.dims(), *start, cache)?;
+            if hidden.dim(1)? != 1 || cache.layers() != served {
+                return Err(ModelError::BatchMismatch);
+            }
+        }
+        let b = steps.len();
+        let hidden = self.config.hidden_size;
+        let rows = steps
+            .iter()
+            .map(|(h, _, _)| h.reshape((1, hidden)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut x = Tensor::cat(&rows, 0)?.to_dtype(self.dtype)?;
+        let starts: Vec<usize> = steps.iter().map(|(_, start, _)| *start).collect();
+        let layers = self.layers_of(steps[0].2);
+        for (l, layer) in layers.iter().enumerate() {
+            let mut caches: Vec<&mut LayerCache> = steps
+                .iter_mut()
+                .map(|(_, _, cache)| &mut cache.layers[l])
+                .collect();
+            x = layer.forward_decode_batch(&x, &starts, &self.rope, &mut caches)?;
+        }
+        for (_, start, cache) in steps.iter_mut() {
+            cache.len = *start + 1;
+        }
+        (0..b)
+            .map(|i| Ok(x.narrow(0, i, 1)?.reshape((1, 1, hidden))?))
+            .collect()
     }
 }
 

@@ -1,5 +1,6 @@
 //! Who may hold what on this server: sessions and streams per peer and in
-//! total. A slot is a guard; dropping it gives the place back.
+//! total, and the KV-cache tokens all sessions share. A slot or a
+//! reservation is a guard; dropping it gives the place back.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -65,10 +66,6 @@ impl Quota {
     pub fn in_use(&self) -> usize {
         self.held().total
     }
-
-    pub fn total(&self) -> usize {
-        self.total
-    }
 }
 
 /// One place held by one peer.
@@ -91,9 +88,89 @@ impl Drop for Slot {
     }
 }
 
+/// The KV-cache positions every session of this server shares: a session
+/// reserves its `max_length` when it opens and gives it back when it ends.
+#[derive(Debug)]
+pub(crate) struct CacheBudget {
+    total: usize,
+    reserved: Mutex<usize>,
+}
+
+/// Why a reservation was refused: `free` of `total` tokens are left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BudgetFull {
+    pub free: usize,
+    pub total: usize,
+}
+
+impl CacheBudget {
+    pub fn new(total: usize) -> Arc<Self> {
+        Arc::new(CacheBudget {
+            total,
+            reserved: Mutex::new(0),
+        })
+    }
+
+    fn reserved(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.reserved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn try_reserve(self: &Arc<Self>, tokens: usize) -> Result<Reservation, BudgetFull> {
+        let mut reserved = self.reserved();
+        let free = self.total.saturating_sub(*reserved);
+        if tokens > free {
+            return Err(BudgetFull {
+                free,
+                total: self.total,
+            });
+        }
+        *reserved += tokens;
+        Ok(Reservation {
+            budget: self.clone(),
+            tokens,
+        })
+    }
+
+    pub fn free(&self) -> usize {
+        self.total.saturating_sub(*self.reserved())
+    }
+}
+
+/// Cache tokens held by one session.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    budget: Arc<CacheBudget>,
+    tokens: usize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut reserved = self.budget.reserved();
+        *reserved = reserved.saturating_sub(self.tokens);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_budget_is_shared_and_given_back() {
+        let budget = CacheBudget::new(1000);
+        let a = budget.try_reserve(600).unwrap();
+        assert_eq!(
+            budget.try_reserve(500).unwrap_err(),
+            BudgetFull {
+                free: 400,
+                total: 1000
+            }
+        );
+        let _b = budget.try_reserve(400).unwrap();
+        assert_eq!(budget.free(), 0);
+        drop(a);
+        assert_eq!(budget.free(), 600);
+        assert!(budget.try_reserve(600).is_ok());
+    }
 
     #[test]
     fn peers_get_their_share_and_slots_come_back() {

@@ -176,6 +176,22 @@ pub struct ServerArgs {
     /// test clients' spot checks, like --step-delay-ms tests routing.
     #[arg(long, env = "COROLLA_CORRUPT_OUTPUTS", default_value_t = 0.0, value_parser = parse_rate)]
     pub corrupt_outputs: f64,
+    /// Prefill positions computed at a time between decode batches, so one
+    /// long prompt does not stall every other session (0: no limit).
+    #[arg(long, env = "COROLLA_MAX_CHUNK_TOKENS", default_value_t = 256)]
+    pub max_chunk_tokens: usize,
+    /// KV-cache positions all sessions share; a session reserves its
+    /// max_length when it opens (default: what --max-sessions sessions of
+    /// --inference-max-length need, at most half the memory available).
+    #[arg(long, env = "COROLLA_CACHE_TOKENS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub cache_tokens: Option<u64>,
+    /// On SIGTERM or Ctrl-C, how long open sessions get to end before the
+    /// server stops anyway.
+    #[arg(long, env = "COROLLA_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+    /// Decode steps computed in one batched forward.
+    #[arg(long, env = "COROLLA_MAX_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_batch: u32,
 }
 
 /// A share in `0..=1`.
@@ -187,6 +203,13 @@ pub fn parse_rate(s: &str) -> Result<f64, String> {
 }
 
 impl ServerArgs {
+    pub(crate) fn compute_settings(&self) -> crate::compute::ComputeSettings {
+        crate::compute::ComputeSettings {
+            max_chunk_tokens: self.max_chunk_tokens,
+            max_batch: self.max_batch as usize,
+        }
+    }
+
     /// Parses the process's arguments, with environment and config file.
     pub fn from_env() -> Result<Self, String> {
         let args: Vec<String> = std::env::args().collect();

@@ -16,3 +16,16 @@ pub enum ServerError {
     #[error("cannot listen on {addr}: {message}")]
     Listen { addr: Multiaddr, message: String },
 }
+
+/// Why the compute core could not run a step.
+#[derive(Debug, thiserror::Error)]
+pub enum ComputeError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A batch this step was part of failed (the session goes on).
+    #[error("the step failed: {0}")]
+    Failed(String),
+    /// The session's cache is gone (the computation panicked, or the core stopped).
+    #[error("the session's cache is gone: {0}")]
+    Lost(&'static str),
+}

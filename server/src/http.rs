@@ -41,6 +41,8 @@ struct Status {
     http: String,
     /// Multiaddrs a browser can dial (WebSocket, WebRTC-direct).
     browser_addresses: Vec<String>,
+    /// What the compute core has done: decode batches and their sizes, prefill chunks.
+    compute: crate::compute::ComputeFigures,
 }
 
 struct HttpState {
@@ -237,6 +239,7 @@ async fn status(State(state): State<Arc<HttpState>>) -> Json<Status> {
         record: state.ctx.record(),
         http: state.http.clone(),
         browser_addresses: state.browser_addresses.clone(),
+        compute: state.ctx.core.stats().figures(),
     })
 }
 

@@ -7,6 +7,7 @@
 //! [`Server::start`].
 
 mod admission;
+mod compute;
 pub mod config;
 mod error;
 mod http;
@@ -14,10 +15,12 @@ mod http_guard;
 mod hub;
 mod identity;
 mod measure;
+mod memory;
 mod server;
 mod session;
 mod tls;
 
+pub use compute::ComputeFigures;
 pub use config::{BlockRange, ServerArgs};
 pub use error::ServerError;
 pub use http::{ClientFile, ClientManifest};

@@ -10,7 +10,7 @@ use std::time::Duration;
 use corolla_model::fingerprint::{block_hashes, default_model_name, fingerprint};
 use corolla_model::{BlockSpan, Checkpoint, Device, ModelError};
 use corolla_shared::behaviour::NetworkLimits;
-use corolla_shared::node::{Announcement, Node, NodeEvent, NodeHandle};
+use corolla_shared::node::{Announcement, LiveFigures, Node, NodeEvent, NodeHandle};
 use corolla_shared::peers::parse_peer_list;
 use corolla_shared::protocol::{ErrorCode, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use corolla_shared::{framing, native, Limits, ServerRecord};
@@ -21,16 +21,17 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::admission::{Quota, Refusal};
+use crate::admission::{CacheBudget, Quota, Refusal};
 use crate::config::{DeviceArg, ServerArgs};
 use crate::error::ServerError;
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
 use crate::measure::measure;
+use crate::compute::{ComputeCore, ComputeFigures, ComputeStats};
 use crate::session::{serve, SessionContext};
 
-/// How long a leaving server gives its sessions to read their goodbye.
-const GOODBYE_TIME: Duration = Duration::from_secs(2);
+/// How long a leaving server gives its last frames to reach their peers.
+const GOODBYE_TIME: Duration = Duration::from_millis(200);
 
 /// A server running in this process. Dropping it stops it.
 pub struct RunningServer {
@@ -43,6 +44,9 @@ pub struct RunningServer {
     tasks: Vec<JoinHandle<()>>,
     http: Option<String>,
     shutdown: watch::Sender<bool>,
+    compute: Arc<ComputeStats>,
+    sessions: Arc<Quota>,
+    drain_timeout: Duration,
 }
 
 impl RunningServer {
@@ -80,20 +84,38 @@ impl RunningServer {
         &self.node
     }
 
+    /// What the compute core has done so far (decode batches, prefill chunks).
+    pub fn compute_figures(&self) -> ComputeFigures {
+        self.compute.figures()
+    }
+
     /// Stops listening, announcing and serving at once, as a crash would.
     pub fn shutdown(mut self) {
         self.abort();
     }
 
-    /// Leaves gracefully: open sessions get an error frame saying the
-    /// server is shutting down (their clients replay elsewhere at once),
-    /// the DHT gets a signed last record saying it leaves, then it stops.
+    /// Leaves gracefully: new sessions are refused, running steps finish
+    /// and then every open session gets an error frame saying the server
+    /// is leaving (its client replays elsewhere at once), the DHT gets a
+    /// signed last record saying so and loses the provider entry; it stops
+    /// once every session has ended, or after `--drain-timeout`.
     pub async fn leave(mut self) {
         let _ = self.shutdown.send(true);
+        let started = tokio::time::Instant::now();
         if let Err(e) = self.node.leave().await {
             tracing::debug!(error = %e, "could not tell the DHT");
         }
-        tokio::time::sleep(GOODBYE_TIME).await;
+        let deadline = started + self.drain_timeout;
+        while self.sessions.in_use() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left = self.sessions.in_use();
+        if left > 0 {
+            tracing::warn!(sessions = left, "drain timeout: stopping with sessions open");
+        }
+        // The goodbye frames are written; give them a moment on the wire.
+        let room = deadline.saturating_duration_since(tokio::time::Instant::now());
+        tokio::time::sleep(GOODBYE_TIME.min(room)).await;
         self.abort();
     }
 
@@ -419,7 +441,7 @@ impl Server {
             hidden_size: config.hidden_size as u32,
             throughput: throughput.decode,
             prefill_throughput: throughput.prefill,
-            cache_tokens_left: (args.max_sessions as u64).saturating_mul(max_length as u64),
+            cache_tokens_left: 0,
             max_length: u32::try_from(max_length).unwrap_or(u32::MAX),
             sessions: 0,
             max_sessions: args.max_sessions as u32,
@@ -434,8 +456,26 @@ impl Server {
             .unwrap_or(args.max_sessions / 4)
             .max(1);
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let cache_tokens = match args.cache_tokens {
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None => crate::memory::default_cache_tokens(
+                args.max_sessions,
+                max_length,
+                span.cache_bytes_per_token(),
+                crate::memory::available_bytes(),
+            ),
+        };
+        tracing::info!(
+            cache_tokens,
+            mib = (cache_tokens as u64).saturating_mul(span.cache_bytes_per_token() as u64) >> 20,
+            "KV-cache budget"
+        );
+        let core = ComputeCore::start(Arc::new(span), args.compute_settings())
+            .map_err(|e| ServerError::Config(format!("cannot start the compute thread: {e}")))?;
+        let compute = core.stats_handle();
+        let sessions = Quota::new(per_peer, args.max_sessions);
         let ctx = Arc::new(SessionContext {
-            span: Arc::new(span),
+            core,
             model: model.clone(),
             block_hashes: hashes,
             // No step can carry more than max_length positions of f32 hidden
@@ -449,7 +489,8 @@ impl Server {
             max_length,
             idle_timeout: args.session_timeout,
             step_delay: Duration::from_millis(args.step_delay_ms),
-            sessions: Quota::new(per_peer, args.max_sessions),
+            sessions: sessions.clone(),
+            cache: CacheBudget::new(cache_tokens),
             corrupt_outputs: args.corrupt_outputs,
             shutdown: shutdown_rx,
             record: Mutex::new(record.clone()),
@@ -463,6 +504,15 @@ impl Server {
         // Streams not yet holding a session cost a little each: a few more
         // than a peer's sessions, a few more than all sessions in total.
         let streams = Quota::new(per_peer + 2, args.max_sessions.saturating_mul(2) + 8);
+        // Each announcement carries the figures of the moment.
+        let live: LiveFigures = {
+            let ctx = Arc::downgrade(&ctx);
+            Arc::new(move |record: &mut ServerRecord| {
+                if let Some(ctx) = ctx.upgrade() {
+                    ctx.fill_live_figures(record);
+                }
+            })
+        };
         tasks.push(accept_sessions(&handle, ctx.clone(), streams)?);
         tasks.push(accept_info(&handle, ctx.clone())?);
         let http =
@@ -479,6 +529,7 @@ impl Server {
             .announce(Some(Announcement {
                 record,
                 period: args.update_period,
+                live: Some(live),
             }))
             .await
             .map_err(|e| ServerError::Network(e.to_string()))?;
@@ -506,6 +557,9 @@ impl Server {
             tasks,
             http,
             shutdown,
+            compute,
+            sessions,
+            drain_timeout: args.drain_timeout,
         })
     }
 }

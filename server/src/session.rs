@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
-use corolla_model::{BlockSpan, DType, SessionCache, Tensor};
+use corolla_model::{DType, Tensor};
 use corolla_shared::flow::{FlowSender, MIN_WINDOW};
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response};
@@ -20,16 +20,21 @@ use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::admission::{Quota, Refusal, Slot};
+use crate::admission::{BudgetFull, CacheBudget, Quota, Refusal, Reservation, Slot};
+use crate::compute::{CacheLease, ComputeCore};
+use crate::error::ComputeError;
 
 /// Bad requests in a row after which a stream is closed.
 pub(crate) const MAX_BAD_REQUESTS_IN_A_ROW: usize = 3;
+/// What a refusal for want of cache suggests waiting before trying again.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
 /// The longest any one reply may take to leave, acknowledgement waits included.
 const MAX_WRITE_TIME: Duration = Duration::from_secs(30);
 
 /// What every session of this server shares.
 pub(crate) struct SessionContext {
-    pub span: Arc<BlockSpan>,
+    /// Owns the span and every session's cache; steps go through it.
+    pub core: ComputeCore,
     pub model: String,
     /// Hashes of the span's blocks, in order.
     pub block_hashes: Vec<String>,
@@ -40,6 +45,8 @@ pub(crate) struct SessionContext {
     pub step_delay: Duration,
     /// Sessions per peer and in total.
     pub sessions: Arc<Quota>,
+    /// KV-cache tokens all sessions share (`--cache-tokens`).
+    pub cache: Arc<CacheBudget>,
     /// A testing aid: the share of steps answered with noisy activations.
     pub corrupt_outputs: f64,
     /// Becomes `true` when the server leaves: open sessions are told so.
@@ -55,11 +62,14 @@ impl SessionContext {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let used = self.sessions.in_use();
-        let free = self.sessions.total().saturating_sub(used);
-        r.sessions = used as u32;
-        r.cache_tokens_left = (free as u64).saturating_mul(self.max_length as u64);
+        self.fill_live_figures(&mut r);
         r
+    }
+
+    /// Sessions open and cache tokens free right now.
+    pub fn fill_live_figures(&self, r: &mut ServerRecord) {
+        r.sessions = self.sessions.in_use() as u32;
+        r.cache_tokens_left = self.cache.free() as u64;
     }
 
     fn write_deadline(&self) -> Duration {
@@ -68,10 +78,13 @@ impl SessionContext {
 }
 
 struct Session {
-    cache: SessionCache,
+    cache: CacheLease,
+    /// Positions the cache holds.
+    len: usize,
     dtype: WireDType,
     max_length: usize,
     _slot: Slot,
+    _reservation: Reservation,
 }
 
 type Reply = Result<Vec<u8>, (ErrorCode, String)>;
@@ -197,7 +210,7 @@ pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>
                     if open.flow_window >= MIN_WINDOW && io.flow.is_none() {
                         io.flow = Some(FlowSender::new(open.flow_window));
                     }
-                    open_session(&ctx, peer, &open).map(|s| {
+                    open_session(&ctx, peer, &open).await.map(|s| {
                         let max_length = s.max_length as u32;
                         tracing::debug!(%peer, start = open.start, end = open.end, max_length, "session opened");
                         session = Some(s);
@@ -250,7 +263,7 @@ pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>
     tracing::debug!(%peer, "session closed");
 }
 
-fn open_session(
+async fn open_session(
     ctx: &SessionContext,
     peer: PeerId,
     open: &OpenRequest,
@@ -264,7 +277,7 @@ fn open_session(
             ),
         ));
     }
-    let served = ctx.span.range();
+    let served = ctx.core.span().range();
     let (start, end) = (open.start as usize, open.end as usize);
     if start >= end || start < served.start || end > served.end {
         return Err((
@@ -315,15 +328,31 @@ fn open_session(
         };
         (ErrorCode::Busy, message)
     })?;
+    let reservation = ctx
+        .cache
+        .try_reserve(max_length)
+        .map_err(|BudgetFull { free, total }| {
+            (
+                ErrorCode::Busy,
+                format!(
+                    "busy: the KV cache is full ({free} of {total} tokens free, {max_length} asked); \
+                     retry after {} s",
+                    RETRY_AFTER.as_secs()
+                ),
+            )
+        })?;
     let cache = ctx
-        .span
-        .new_cache_for(start..end, max_length)
+        .core
+        .open(start..end, max_length)
+        .await
         .map_err(|e| (ErrorCode::TooLong, e.to_string()))?;
     Ok(Session {
         cache,
+        len: 0,
         dtype: open.dtype,
         max_length,
         _slot: slot,
+        _reservation: reservation,
     })
 }
 
@@ -346,7 +375,7 @@ fn check_step(
     start: usize,
     hidden: &TensorView<'_>,
 ) -> Result<(), (ErrorCode, String)> {
-    let hidden_size = ctx.span.config().hidden_size;
+    let hidden_size = ctx.core.span().config().hidden_size;
     let shape = &hidden.shape;
     if shape.len() != 3 || shape[0] != 1 || shape[1] == 0 || shape[2] != hidden_size {
         let msg = format!(
@@ -355,10 +384,10 @@ fn check_step(
         return Err((ErrorCode::BadShape, msg));
     }
     let t = shape[1];
-    if start > s.cache.len() {
+    if start > s.len {
         let msg = format!(
             "start position {start} is past the {} positions already processed",
-            s.cache.len()
+            s.len
         );
         return Err((ErrorCode::BadShape, msg));
     }
@@ -379,38 +408,34 @@ async fn compute_step(
     start: usize,
     hidden: &TensorView<'_>,
 ) -> (Option<Session>, Reply) {
-    let input = match from_view(hidden, ctx.span.device()) {
+    let span = ctx.core.span();
+    let input = match from_view(hidden, span.device()) {
         Ok(x) => x,
         Err(e) => return (Some(s), refuse(ErrorCode::BadShape, e.to_string())),
     };
+    let positions = hidden.shape[1];
     if !ctx.step_delay.is_zero() {
         tokio::time::sleep(ctx.step_delay).await;
     }
-    let span = ctx.span.clone();
-    let wire = s.dtype;
     let corrupt = ctx.corrupt_outputs > 0.0 && rand::random::<f64>() < ctx.corrupt_outputs;
-    let computed = tokio::task::spawn_blocking(move || {
-        let out = span
-            .forward(&input, start, &mut s.cache)
-            .and_then(|y| if corrupt { add_noise(&y) } else { Ok(y) })
-            .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire));
-        (s, out)
-    })
-    .await;
-    match computed {
-        Ok((s, Ok(out))) => {
+    let wire = s.dtype;
+    let out = match s.cache.step(input, start).await {
+        Ok(out) => out,
+        Err(ComputeError::Lost(why)) => {
+            tracing::error!(why, "a session's cache was lost");
+            return (None, refuse(ErrorCode::Internal, format!("{why}; session ended")));
+        }
+        Err(e) => return (Some(s), refuse(ErrorCode::Internal, e.to_string())),
+    };
+    s.len = start + positions;
+    let payload = (if corrupt { add_noise(&out) } else { Ok(out) })
+        .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire));
+    match payload {
+        Ok(out) => {
             let frame = Response::StepOut { hidden: out.view() }.encode();
             (Some(s), Ok(frame))
         }
-        Ok((s, Err(e))) => (Some(s), refuse(ErrorCode::Internal, e.to_string())),
-        Err(join) => {
-            // The computation took the session's cache with it: end the session.
-            tracing::error!(error = %join, "step computation failed");
-            (
-                None,
-                refuse(ErrorCode::Internal, "the step failed; session ended"),
-            )
-        }
+        Err(e) => (Some(s), refuse(ErrorCode::Internal, e.to_string())),
     }
 }
 

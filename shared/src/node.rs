@@ -56,11 +56,27 @@ pub enum NodeError {
     Dial { peer: PeerId, error: String },
 }
 
+/// The live fields of a server's record (sessions, free cache), read at
+/// every announcement.
+pub type LiveFigures = std::sync::Arc<dyn Fn(&mut ServerRecord) + Send + Sync>;
+
 /// What a server publishes about itself.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Announcement {
     pub record: ServerRecord,
     pub period: Duration,
+    /// Fills in the record's live fields before each announcement.
+    pub live: Option<LiveFigures>,
+}
+
+impl std::fmt::Debug for Announcement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Announcement")
+            .field("record", &self.record)
+            .field("period", &self.period)
+            .field("live", &self.live.is_some())
+            .finish()
+    }
 }
 
 enum Command {
@@ -159,7 +175,16 @@ struct RecordLookup {
     reply: oneshot::Sender<Result<ServerRecord, NodeError>>,
     /// Why the records found so far were refused.
     refused: Option<RecordError>,
+    /// The newest valid copy so far, how many valid copies were seen, and
+    /// when the lookup answers with it at the latest.
+    newest: Option<(ServerRecord, usize, Instant)>,
 }
+
+/// Valid copies of a record after which a lookup answers with the newest.
+const RECORD_COPIES_COMPARED: usize = 3;
+/// How long a lookup that found one valid copy waits for newer ones: nodes
+/// that missed a re-announcement still hold the older copy.
+const RECORD_GRACE: Duration = Duration::from_millis(300);
 
 impl Node {
     /// Wraps a built swarm. Returns the loop to spawn, its handle, and the
@@ -277,6 +302,31 @@ impl Node {
                 q.finish();
             }
         }
+        let settled: Vec<QueryId> = self
+            .records
+            .iter()
+            .filter(|(_, l)| l.newest.as_ref().is_some_and(|(_, _, until)| *until <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in settled {
+            self.answer_record_lookup(id);
+        }
+    }
+
+    /// Answers a record lookup with the newest valid copy found (or why none
+    /// was), and ends its query.
+    fn answer_record_lookup(&mut self, id: QueryId) {
+        if let Some(lookup) = self.records.remove(&id) {
+            let answer = match (lookup.newest, lookup.refused) {
+                (Some((record, _, _)), _) => Ok(record),
+                (None, Some(e)) => Err(NodeError::Record(e)),
+                (None, None) => Err(NodeError::Lookup("record not found".into())),
+            };
+            let _ = lookup.reply.send(answer);
+        }
+        if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+            q.finish();
+        }
     }
 
     fn announce(&mut self) {
@@ -286,6 +336,9 @@ impl Node {
         };
         let period = a.period;
         let mut record = a.record.clone();
+        if let Some(live) = &a.live {
+            live(&mut record);
+        }
         record.addresses = self
             .swarm
             .external_addresses()
@@ -323,7 +376,10 @@ impl Node {
         let mut dht_record = Record::new(server_dht_key(self.swarm.local_peer_id()), bytes);
         dht_record.expires = Some(Instant::now() + ttl);
         let kad = &mut self.swarm.behaviour_mut().kad;
-        match kad.put_record(dht_record, Quorum::One) {
+        // Every closest peer gets the new copy: with a quorum of one, the
+        // query ends at the first acknowledgement and the others keep
+        // serving the old record to clients.
+        match kad.put_record(dht_record, Quorum::All) {
             Ok(id) => Some(id),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot publish the server record in the DHT");
@@ -415,6 +471,7 @@ impl Node {
                         peer,
                         reply,
                         refused: None,
+                        newest: None,
                     },
                 );
             }
@@ -587,24 +644,25 @@ impl Node {
                     // the lookup: another may hold the real one.
                     match ServerRecord::from_signed_bytes(&found.record.value, Some(&lookup.peer)) {
                         Ok(record) => {
-                            if let Some(lookup) = self.records.remove(&id) {
-                                let _ = lookup.reply.send(Ok(record));
-                            }
-                            if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
-                                q.finish();
+                            let (newest, copies, until) = match lookup.newest.take() {
+                                Some((old, n, until))
+                                    if old.published_at_ms >= record.published_at_ms =>
+                                {
+                                    (old, n + 1, until)
+                                }
+                                Some((_, n, until)) => (record, n + 1, until),
+                                None => (record, 1, Instant::now() + RECORD_GRACE),
+                            };
+                            lookup.newest = Some((newest, copies, until));
+                            if copies >= RECORD_COPIES_COMPARED {
+                                self.answer_record_lookup(id);
                             }
                         }
                         Err(e) => lookup.refused = Some(e),
                     }
                 }
                 if last {
-                    if let Some(lookup) = self.records.remove(&id) {
-                        let error = match lookup.refused {
-                            Some(e) => NodeError::Record(e),
-                            None => NodeError::Lookup("record not found".into()),
-                        };
-                        let _ = lookup.reply.send(Err(error));
-                    }
+                    self.answer_record_lookup(id);
                 }
             }
             QueryResult::PutRecord(_)

@@ -181,6 +181,7 @@ pub async fn lying_server(
                 .announce(Some(Announcement {
                     record: record.clone(),
                     period: Duration::from_secs(1),
+                    live: None,
                 }))
                 .await
                 .unwrap();

@@ -388,3 +388,55 @@ pub fn corolla_server_bin() -> PathBuf {
     );
     bin
 }
+
+/// The outcome of [`concurrent_generations`].
+pub struct ConcurrentRun {
+    /// One per request, in order.
+    pub outputs: Vec<corolla_client::GenerateOutput>,
+    /// From the first session's start to the last one's end.
+    pub wall_time: std::time::Duration,
+}
+
+impl ConcurrentRun {
+    /// New tokens of all sessions per second of wall time.
+    pub fn aggregate_tokens_per_second(&self) -> f64 {
+        let tokens: usize = self.outputs.iter().map(|o| o.generated_ids.len()).sum();
+        tokens as f64 / self.wall_time.as_secs_f64().max(1e-9)
+    }
+
+    /// The median session's own tokens per second.
+    pub fn median_session_tokens_per_second(&self) -> f64 {
+        let mut v: Vec<f64> = self.outputs.iter().map(|o| o.tokens_per_second()).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    }
+}
+
+/// Runs every request at once, each through its own chain of sessions on
+/// the swarm `node` knows, and waits for all of them.
+pub async fn concurrent_generations(
+    node: &corolla_shared::node::NodeHandle,
+    settings: &corolla_client::SessionSettings,
+    head: &corolla_model::ClientHead,
+    requests: &[corolla_client::GenerateRequest],
+) -> anyhow::Result<ConcurrentRun> {
+    let started = std::time::Instant::now();
+    let runs = requests.iter().map(|request| async move {
+        let mut settings = settings.clone();
+        settings.max_length = request.max_length();
+        let mut chain =
+            corolla_client::RemoteChain::connect(node, settings, &candle_core::Device::Cpu)
+                .await?;
+        let out = corolla_client::generate(head, &mut chain, request, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await;
+        chain.close().await;
+        Ok::<_, anyhow::Error>(out?)
+    });
+    let outputs = futures::future::try_join_all(runs).await?;
+    Ok(ConcurrentRun {
+        outputs,
+        wall_time: started.elapsed(),
+    })
+}

@@ -393,3 +393,68 @@ async fn chaos_every_session_completes_token_identical() {
     assert!(kills >= 5, "too few kills ({kills}) to mean anything");
     assert!(recoveries >= 1, "no session met a failure");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_leaving_mid_answer_hands_its_sessions_over_at_once() {
+    let golden = Golden::load(&tiny_llama(), "float32");
+    let prompt = &golden.prompts[0];
+    let head = head();
+    let servers = Arc::new(Mutex::new(six_servers(0).await));
+    let boot = addr(&servers.lock().unwrap()[0]);
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let request = GenerateRequest {
+        prompt_ids: prompt.input_ids.clone(),
+        max_new_tokens: 32,
+        sampling: SamplingParams::greedy(),
+        stop_at_eos: false,
+    };
+    let mut chain = chain_covering(&node, settings(request.max_length()), 6).await;
+    let victim = chain
+        .route()
+        .into_iter()
+        .find(|h| h.start == 1)
+        .unwrap()
+        .peer_id;
+    let leaving: Arc<Mutex<Option<tokio::task::JoinHandle<Duration>>>> = Arc::default();
+    let mut generated = 0;
+    let out = generate(&head, &mut chain, &request, |_| {
+        generated += 1;
+        if generated == 13 {
+            let mut all = servers.lock().unwrap();
+            let i = all
+                .iter()
+                .position(|s| s.peer_id().to_string() == victim)
+                .unwrap();
+            let server = all.remove(i);
+            *leaving.lock().unwrap() = Some(tokio::spawn(async move {
+                let started = Instant::now();
+                server.leave().await;
+                started.elapsed()
+            }));
+        }
+        std::ops::ControlFlow::Continue(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.generated_ids, prompt.generated_new_ids);
+    let recoveries = chain.recoveries().to_vec();
+    assert_eq!(recoveries.len(), 1, "{recoveries:?}");
+    let r = &recoveries[0];
+    assert_eq!(r.failed_peer, victim);
+    assert!(
+        r.error.contains("shutting down"),
+        "the client was not told the server leaves: {}",
+        r.error
+    );
+    // No step timeout was waited out (the settings' timeout is 10 s).
+    assert!(r.seconds < 2.0, "recovery took {:.3} s", r.seconds);
+    chain.close().await;
+    let task = leaving.lock().unwrap().take().expect("the server left");
+    let drained = task.await.unwrap();
+    // Its only session moved away at once: no drain timeout (30 s) was waited out.
+    assert!(drained < Duration::from_secs(5), "leaving took {drained:?}");
+    println!(
+        "left after token 13: recovered in {:.3} s, server gone after {drained:?}",
+        r.seconds
+    );
+}

@@ -2,7 +2,7 @@
 //! servers on loopback, divided by the same generation in one process, in
 //! the same run. Writes its figures to BENCHMARKS.md.
 //!
-//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--write FILE]`
+//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching] [--write FILE]`
 
 use std::time::Duration;
 
@@ -117,17 +117,16 @@ async fn main() -> anyhow::Result<()> {
     }
     let rounds = arg("--rounds", 5);
     let new_tokens = arg("--new-tokens", 128);
+    if args.iter().any(|a| a == "--only-batching") {
+        let section = bench_batching(rounds, new_tokens).await?;
+        println!("{section}");
+        if let Some(file) = write_to {
+            write_section(&file, BATCHING_HEADING, &section)?;
+        }
+        return Ok(());
+    }
     let servers_n = 4;
-    let spec = RandomSpec {
-        hidden_size: 512,
-        num_layers: 8,
-        num_heads: 8,
-        num_kv_heads: 4,
-        intermediate_size: 1376,
-        vocab_size: 4096,
-        max_positions: 1024,
-        seed: 7,
-    };
+    let spec = bench_spec();
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("random-llama");
     write_random_checkpoint(&dir, &spec)?;
@@ -257,7 +256,9 @@ async fn main() -> anyhow::Result<()> {
         }
         None => String::from("## Browser\n\nSkipped: the default model is not fetched.\n"),
     };
-    let report = format!("{report}\n{recovery}\n{default_model}\n{chat}\n{browser}");
+    let batching = bench_batching(rounds.min(3), new_tokens).await?;
+    let report =
+        format!("{report}\n{recovery}\n{default_model}\n{chat}\n{batching}\n{browser}");
     println!("{report}");
     if let Some(path) = write_to {
         std::fs::write(path, format!("# Benchmarks\n\nLatest figures; ratios matter, absolute numbers vary with machine load.\n\n{report}\n{NOTES}\n"))?;
@@ -612,4 +613,143 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
         med[0][TURNS - 1] / med[0][0],
         med[1][TURNS - 1] / med[1][0],
     ))
+}
+
+const BATCHING_HEADING: &str = "## One server, many sessions: continuous batching";
+
+/// The bench model as `write_random_checkpoint` makes it.
+fn bench_spec() -> RandomSpec {
+    RandomSpec {
+        hidden_size: 512,
+        num_layers: 8,
+        num_heads: 8,
+        num_kv_heads: 4,
+        intermediate_size: 1376,
+        vocab_size: 4096,
+        max_positions: 1024,
+        seed: 7,
+    }
+}
+
+/// One server holding every block of `model`; 1, 4 and 16 sessions at once,
+/// each `new_tokens` greedy tokens after its own 16-token prompt. Returns a
+/// table row per session count and the two ratios of 16 over 1.
+async fn bench_batching_of(
+    model: &std::path::Path,
+    new_tokens: usize,
+    rounds: usize,
+) -> anyhow::Result<(String, f64, f64)> {
+    let ck = Checkpoint::open(model)?.with_quantized_weights(corolla_model::QuantizedWeights::Auto);
+    let layers = ck.config().num_hidden_layers;
+    let vocab = ck.config().vocab_size as u32;
+    let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
+    let model_arg = model.to_string_lossy().into_owned();
+    let mut args: Vec<String> = [
+        "corolla-server",
+        "--model",
+        &model_arg,
+        "--block-indices",
+        &format!("0:{layers}"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--new-swarm",
+        "--max-sessions",
+        "16",
+        "--max-sessions-per-peer",
+        "16",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(["--update-period".into(), "30s".into()]);
+    let args = ServerArgs::from_args_and_file(args).map_err(anyhow::Error::msg)?;
+    let server = Server::start(args).await?;
+    let node = connect(&[server.tcp_addr().expect("tcp").clone()]).await?;
+    let mut settings = SessionSettings::new(server.model(), layers, 256, WireDType::F32);
+    settings.expected_blocks = Some(block_hashes(&ck, 0, layers)?);
+    let request = |i: u32| GenerateRequest {
+        prompt_ids: (0..16u32).map(|j| 1 + (j * 37 + i * 101) % (vocab - 1)).collect(),
+        max_new_tokens: new_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_at_eos: false,
+    };
+    let mut rows = String::new();
+    let mut by_count: Vec<(usize, f64, f64)> = Vec::new();
+    let mut alone: Option<Vec<u32>> = None;
+    for sessions in [1usize, 4, 16] {
+        let requests: Vec<GenerateRequest> = (0..sessions as u32).map(request).collect();
+        let (mut aggregate, mut per_session) = (Vec::new(), Vec::new());
+        let before = server.compute_figures();
+        for round in 0..rounds + 1 {
+            let run =
+                corolla_tests::concurrent_generations(&node, &settings, &head, &requests).await?;
+            // Session 0 has the same prompt at every count: batching must not change it.
+            let first = run.outputs[0].generated_ids.clone();
+            match &alone {
+                None => alone = Some(first),
+                Some(want) => assert_eq!(&first, want, "tokens changed with {sessions} sessions"),
+            }
+            if round > 0 {
+                aggregate.push(run.aggregate_tokens_per_second());
+                per_session.push(run.median_session_tokens_per_second());
+            }
+            eprintln!(
+                "{sessions} sessions, round {round}: {:.1} tok/s in all, {:.1} per session",
+                run.aggregate_tokens_per_second(),
+                run.median_session_tokens_per_second()
+            );
+        }
+        let after = server.compute_figures();
+        let batches = after.decode_batches - before.decode_batches;
+        let steps = after.decode_steps - before.decode_steps;
+        let (aggregate, per_session) = (median(aggregate), median(per_session));
+        rows.push_str(&format!(
+            "| {sessions} | {aggregate:.1} | {per_session:.1} | {:.1} |\n",
+            steps as f64 / batches.max(1) as f64
+        ));
+        by_count.push((sessions, aggregate, per_session));
+    }
+    let (_, agg1, per1) = by_count[0];
+    let (_, agg16, per16) = by_count[2];
+    Ok((rows, agg16 / agg1, per16 / per1))
+}
+
+async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<String> {
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("random-llama");
+    let spec = bench_spec();
+    write_random_checkpoint(&dir, &spec)?;
+    let (rows, aggregate, per_session) = bench_batching_of(&dir, new_tokens, rounds).await?;
+    let table = "| sessions | tokens/s in all | tokens/s per session (median) | decode steps per forward |\n|---|---|---|---|\n";
+    let mut section = format!(
+        "{BATCHING_HEADING}\n\n\
+         Command: `corolla-bench --only-batching --rounds {rounds} --write BENCHMARKS.md` (also part of `bash scripts/bench.sh`).\n\n\
+         One server holding all {} blocks of the bench model (random Llama: hidden {}, {} heads, {} KV heads, FFN {}, \
+         vocab {}, f32, CPU); 1, 4 and 16 sessions at once, each {new_tokens} greedy tokens after its own 16-token \
+         prompt, clients in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n{table}{rows}\n\
+         - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×** (target >= 8)\n\
+         - tokens/s per session, 16 sessions over 1: **{per_session:.2}×** (target >= 0.5)\n",
+        spec.num_layers,
+        spec.hidden_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_size,
+        spec.vocab_size,
+    );
+    match corolla_tests::default_model() {
+        Some(path) => {
+            let (rows, aggregate, per_session) =
+                bench_batching_of(&path, new_tokens, rounds.min(2)).await?;
+            section.push_str(&format!(
+                "\nThe same with the default model (SmolLM2-135M-Instruct, all 30 blocks on one server, \
+                 dequantized to f32), medians of {} rounds:\n\n{table}{rows}\n\
+                 - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×**\n\
+                 - tokens/s per session, 16 sessions over 1: **{per_session:.2}×**\n",
+                rounds.min(2)
+            ));
+        }
+        None => section.push_str("\nThe default model: skipped (not fetched).\n"),
+    }
+    Ok(section)
 }

@@ -1,0 +1,145 @@
+//! A batched decode step equals the same steps run alone, and a prefill
+//! split into chunks equals the prefill run at once (f32, within 1e-4 of
+//! the output's scale).
+
+use corolla_model::random::{write_random_checkpoint, RandomSpec};
+use corolla_model::{BlockSpan, Checkpoint, DType, Device, SessionCache, Tensor};
+
+const HIDDEN: usize = 64;
+
+fn span() -> BlockSpan {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = RandomSpec {
+        hidden_size: HIDDEN,
+        num_layers: 3,
+        num_heads: 8,
+        num_kv_heads: 2,
+        intermediate_size: 96,
+        vocab_size: 32,
+        max_positions: 256,
+        seed: 7,
+    };
+    write_random_checkpoint(dir.path(), &spec).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    BlockSpan::load(&checkpoint, 0, 3, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn hidden(t: usize, seed: u64) -> Tensor {
+    let values: Vec<f32> = (0..t * HIDDEN)
+        .map(|i| (((i as u64 + 1) * (seed * 2 + 1) % 97) as f32 / 48.5) - 1.0)
+        .collect();
+    Tensor::from_vec(values, (1, t, HIDDEN), &Device::Cpu).unwrap()
+}
+
+/// Largest absolute difference over the reference's root mean square.
+fn relative_difference(a: &Tensor, b: &Tensor) -> f32 {
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let rms = b
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .sqrt()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    diff / rms
+}
+
+fn prefilled(span: &BlockSpan, lengths: &[usize]) -> Vec<SessionCache> {
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let mut cache = span.new_cache(64).unwrap();
+            span.forward(&hidden(t, i as u64), 0, &mut cache).unwrap();
+            cache
+        })
+        .collect()
+}
+
+#[test]
+fn a_batched_decode_step_equals_each_step_alone() {
+    let span = span();
+    // Ragged histories: each session at its own position.
+    let lengths = [1, 5, 12, 30, 2];
+    let mut alone = prefilled(&span, &lengths);
+    let mut batched = prefilled(&span, &lengths);
+    for round in 0..4u64 {
+        let inputs: Vec<Tensor> = (0..lengths.len())
+            .map(|i| hidden(1, 100 + round * 10 + i as u64))
+            .collect();
+        let expected: Vec<Tensor> = inputs
+            .iter()
+            .zip(alone.iter_mut())
+            .map(|(x, cache)| {
+                let start = cache.len();
+                span.forward(x, start, cache).unwrap()
+            })
+            .collect();
+        let mut steps: Vec<(Tensor, usize, &mut SessionCache)> = inputs
+            .iter()
+            .cloned()
+            .zip(batched.iter_mut())
+            .map(|(x, cache)| (x, cache.len(), cache))
+            .collect();
+        let outputs = span.forward_decode_batch(&mut steps).unwrap();
+        assert_eq!(outputs.len(), expected.len());
+        for (got, want) in outputs.iter().zip(&expected) {
+            assert_eq!(got.dims(), &[1, 1, HIDDEN]);
+            let d = relative_difference(got, want);
+            assert!(d < 1e-4, "round {round}: batched differs by {d} of the RMS");
+        }
+    }
+    for (a, b) in alone.iter().zip(&batched) {
+        assert_eq!(a.len(), b.len());
+    }
+}
+
+#[test]
+fn a_prefill_in_chunks_equals_the_prefill_at_once() {
+    let span = span();
+    let prompt = hidden(45, 3);
+    let mut whole = span.new_cache(64).unwrap();
+    let expected = span.forward(&prompt, 0, &mut whole).unwrap();
+    let mut chunked = span.new_cache(64).unwrap();
+    let mut outputs = Vec::new();
+    for (start, len) in [(0, 16), (16, 16), (32, 13)] {
+        let chunk = prompt.narrow(1, start, len).unwrap();
+        outputs.push(span.forward(&chunk, start, &mut chunked).unwrap());
+    }
+    let got = Tensor::cat(&outputs, 1).unwrap();
+    let d = relative_difference(&got, &expected);
+    assert!(d < 1e-4, "chunked prefill differs by {d} of the RMS");
+    // The next decode step sees the same cache either way.
+    let next = hidden(1, 9);
+    let a = span.forward(&next, 45, &mut whole).unwrap();
+    let b = span.forward(&next, 45, &mut chunked).unwrap();
+    assert!(relative_difference(&b, &a) < 1e-4);
+}
+
+#[test]
+fn a_batch_refuses_mixed_steps() {
+    let span = span();
+    let mut caches = prefilled(&span, &[3, 3]);
+    let [a, b] = caches.as_mut_slice() else {
+        unreachable!()
+    };
+    // Two positions in a decode batch.
+    let mut steps = vec![(hidden(1, 1), 3, a), (hidden(2, 2), 3, b)];
+    assert!(span.forward_decode_batch(&mut steps).is_err());
+    // A position gap.
+    let mut caches = prefilled(&span, &[3]);
+    let mut steps = vec![(hidden(1, 1), 5, &mut caches[0])];
+    assert!(span.forward_decode_batch(&mut steps).is_err());
+    assert!(span.forward_decode_batch(&mut []).unwrap().is_empty());
+}
