@@ -109,6 +109,25 @@ const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM"];
 pub const MAX_POSITIONS: usize = 1 << 22;
 
 impl LlamaConfig {
+    /// Parameters of one decoder block: the four attention projections,
+    /// the three MLP projections, their biases where the model has them,
+    /// and the two norms.
+    pub fn block_parameters(&self) -> u64 {
+        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let q = (self.num_attention_heads * self.head_dim) as u64;
+        let kv = (self.num_key_value_heads * self.head_dim) as u64;
+        let attention = h * q + 2 * h * kv + q * h;
+        let attention_bias = if self.attention_bias { q + 2 * kv + h } else { 0 };
+        let mlp = 3 * h * i;
+        let mlp_bias = if self.mlp_bias { 2 * i + h } else { 0 };
+        attention + attention_bias + mlp + mlp_bias + 2 * h
+    }
+
+    /// Bytes of KV cache one position costs in one block, in `dtype_bytes` per value.
+    pub fn cache_bytes_per_token_per_block(&self, dtype_bytes: usize) -> u64 {
+        (2 * self.num_key_value_heads * self.head_dim * dtype_bytes) as u64
+    }
+
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
         Self::from_json(&text).map_err(|e| match e {

@@ -47,6 +47,50 @@ pub enum DeviceArg {
     Cuda,
 }
 
+/// `--num-blocks`: a count, or as many as fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumBlocks {
+    Auto,
+    Count(usize),
+}
+
+fn parse_num_blocks(s: &str) -> Result<NumBlocks, String> {
+    match s.trim() {
+        "auto" => Ok(NumBlocks::Auto),
+        n => match n.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(NumBlocks::Count(n)),
+            _ => Err(format!("{s:?} is not a block count (N >= 1) or auto")),
+        },
+    }
+}
+
+/// A size in bytes: a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB, TiB).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = (t[..split].trim(), t[split..].trim());
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 8GiB, 512MiB)"))?;
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1024f64.powi(2),
+        "gib" | "g" => 1024f64.powi(3),
+        "tib" | "t" => 1024f64.powi(4),
+        _ => return Err(format!("unknown unit {unit:?} in {s:?}; use B, MB, GB, MiB, GiB")),
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        return Err(format!("{s:?} is not a size this machine can have"));
+    }
+    Ok(bytes as u64)
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
@@ -89,9 +133,14 @@ pub struct ServerArgs {
     /// Serve layers [A, B).
     #[arg(long, env = "COROLLA_BLOCK_INDICES", conflicts_with = "num_blocks")]
     pub block_indices: Option<BlockRange>,
-    /// Serve N consecutive layers, chosen where the swarm has the fewest servers.
-    #[arg(long, env = "COROLLA_NUM_BLOCKS")]
-    pub num_blocks: Option<usize>,
+    /// Serve N consecutive layers, chosen where the swarm is weakest; `auto`
+    /// (the default without --block-indices): as many as fit in --memory-limit.
+    #[arg(long, env = "COROLLA_NUM_BLOCKS", value_parser = parse_num_blocks)]
+    pub num_blocks: Option<NumBlocks>,
+    /// Memory this server may use for weights and KV cache (e.g. 8GiB, 512MiB;
+    /// default: the memory available at start-up). Sizes `--num-blocks auto`.
+    #[arg(long, env = "COROLLA_MEMORY_LIMIT", value_parser = parse_bytes)]
+    pub memory_limit: Option<u64>,
     /// TCP and QUIC port; WebSocket and WebRTC-direct use the next one (0: any free ports).
     #[arg(long, env = "COROLLA_PORT", default_value_t = 31337)]
     pub port: u16,
@@ -301,5 +350,20 @@ mod tests {
             "2"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn sizes_and_block_counts_parse() {
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes("1.5 GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-1GiB").is_err());
+        assert!(parse_bytes("1e30TiB").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert_eq!(parse_num_blocks("auto"), Ok(NumBlocks::Auto));
+        assert_eq!(parse_num_blocks("6"), Ok(NumBlocks::Count(6)));
+        assert!(parse_num_blocks("0").is_err());
     }
 }

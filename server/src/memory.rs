@@ -31,9 +31,41 @@ pub(crate) fn default_cache_tokens(
     wanted.min(fits).max(max_length)
 }
 
+/// What `--num-blocks auto` fits: blocks of `block_bytes` each, each also
+/// holding `cache_tokens` positions of `cache_bytes_per_token` KV cache,
+/// within `limit` less a margin (a tenth, at least 256 MiB, for activations,
+/// the runtime and the allocator). At least one block, at most `num_layers`.
+pub(crate) fn blocks_that_fit(
+    limit: u64,
+    block_bytes: u64,
+    cache_tokens: u64,
+    cache_bytes_per_token: u64,
+    num_layers: usize,
+) -> usize {
+    let margin = (limit / 10).max(256 << 20);
+    let usable = limit.saturating_sub(margin);
+    let per_block = block_bytes
+        .saturating_add(cache_tokens.saturating_mul(cache_bytes_per_token))
+        .max(1);
+    usize::try_from(usable / per_block)
+        .unwrap_or(usize::MAX)
+        .clamp(1, num_layers.max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_blocks_fit_weights_and_cache_in_the_limit() {
+        let gib = 1u64 << 30;
+        // 10 GiB less 1 GiB margin; 1 GiB of weights + 0.5 GiB of cache a block: 6.
+        assert_eq!(blocks_that_fit(10 * gib, gib, 1 << 20, 512, 80), 6);
+        // Everything fits: every layer.
+        assert_eq!(blocks_that_fit(100 * gib, 1 << 20, 1000, 16, 30), 30);
+        // Nothing fits: still one block, so the server serves something.
+        assert_eq!(blocks_that_fit(gib / 2, gib, 0, 0, 80), 1);
+    }
 
     #[test]
     fn mem_available_is_read_in_bytes() {

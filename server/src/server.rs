@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use corolla_model::fingerprint::{block_hashes, default_model_name, fingerprint};
-use corolla_model::{BlockSpan, Checkpoint, Device, ModelError};
+use corolla_model::{BlockSpan, Checkpoint, Device, LlamaConfig, ModelError};
 use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::node::{Announcement, LiveFigures, Node, NodeEvent, NodeHandle};
 use corolla_shared::peers::parse_peer_list;
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admission::{CacheBudget, Quota, Refusal};
-use crate::config::{DeviceArg, ServerArgs};
+use crate::config::{DeviceArg, NumBlocks, ServerArgs};
 use crate::error::ServerError;
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
@@ -30,8 +30,9 @@ use crate::measure::measure;
 use crate::compute::{ComputeCore, ComputeFigures, ComputeStats};
 use crate::session::{serve, SessionContext};
 
-/// How long a leaving server gives its last frames to reach their peers.
-const GOODBYE_TIME: Duration = Duration::from_millis(200);
+/// How long a leaving server stays reachable after its sessions ended, so
+/// that clients between two steps still read why (and not a closed connection).
+const GOODBYE_TIME: Duration = Duration::from_secs(2);
 
 /// A server running in this process. Dropping it stops it.
 pub struct RunningServer {
@@ -113,7 +114,8 @@ impl RunningServer {
         if left > 0 {
             tracing::warn!(sessions = left, "drain timeout: stopping with sessions open");
         }
-        // The goodbye frames are written; give them a moment on the wire.
+        // The goodbye frames are written; clients between steps read them
+        // when they next write.
         let room = deadline.saturating_duration_since(tokio::time::Instant::now());
         tokio::time::sleep(GOODBYE_TIME.min(room)).await;
         self.abort();
@@ -187,6 +189,49 @@ pub fn choose_blocks(num_layers: usize, n: usize, records: &[ServerRecord]) -> (
         })
         .unwrap_or(0);
     (best, best + n)
+}
+
+/// `--num-blocks auto`: the blocks that fit in `--memory-limit` (default:
+/// the memory available now) with the KV cache they need.
+fn auto_block_count(
+    args: &ServerArgs,
+    config: &LlamaConfig,
+    device: &Device,
+) -> Result<usize, ServerError> {
+    let limit = match (args.memory_limit, device.is_cpu()) {
+        (Some(limit), _) => limit,
+        (None, true) => crate::memory::available_bytes().ok_or_else(|| {
+            ServerError::Config(
+                "cannot read the available memory: pass --memory-limit or --num-blocks".into(),
+            )
+        })?,
+        (None, false) => {
+            return Err(ServerError::Config(
+                "--num-blocks auto on a GPU needs --memory-limit (the VRAM this server may use)"
+                    .into(),
+            ))
+        }
+    };
+    let dtype_bytes = args.dtype.resolve(config, device).size_in_bytes();
+    let max_length = args.inference_max_length.min(config.max_position_embeddings);
+    let cache_tokens = args
+        .cache_tokens
+        .unwrap_or((args.max_sessions as u64).saturating_mul(max_length as u64));
+    let block_bytes = config.block_parameters().saturating_mul(dtype_bytes as u64);
+    let n = crate::memory::blocks_that_fit(
+        limit,
+        block_bytes,
+        cache_tokens,
+        config.cache_bytes_per_token_per_block(dtype_bytes),
+        config.num_hidden_layers,
+    );
+    tracing::info!(
+        blocks = n,
+        limit_mib = limit >> 20,
+        block_mib = block_bytes >> 20,
+        "--num-blocks auto"
+    );
+    Ok(n)
 }
 
 pub struct Server;
@@ -376,7 +421,16 @@ impl Server {
 
         let (start, end) = match (args.block_indices, args.num_blocks) {
             (Some(r), None) => (r.start, r.end),
-            (None, Some(n)) if n > 0 => {
+            (Some(_), Some(_)) => {
+                return Err(ServerError::Config(
+                    "pass --block-indices A:B or --num-blocks N|auto, not both".into(),
+                ))
+            }
+            (None, n) => {
+                let n = match n.unwrap_or(NumBlocks::Auto) {
+                    NumBlocks::Count(n) => n,
+                    NumBlocks::Auto => auto_block_count(&args, &config, &device)?,
+                };
                 let existing = if initial_peers.is_empty() {
                     Vec::new()
                 } else {
@@ -386,11 +440,6 @@ impl Server {
                         .unwrap_or_default()
                 };
                 choose_blocks(num_layers, n, &existing)
-            }
-            _ => {
-                return Err(ServerError::Config(
-                    "pass --block-indices A:B or --num-blocks N (N >= 1)".into(),
-                ))
             }
         };
         if end > num_layers {

@@ -211,3 +211,61 @@ async fn the_cache_budget_refuses_what_does_not_fit_and_the_dht_shows_live_figur
     drop(late);
     record_shows(0, 100).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_blocks_fill_the_memory_limit_where_the_swarm_is_weakest() {
+    let ck = Checkpoint::open(tiny_llama()).unwrap();
+    let config = ck.config();
+    // A limit for two of the four blocks (f32), each with 4096 cache positions,
+    // over the margin of 256 MiB.
+    let cache_tokens = 4096u64;
+    let per_block =
+        config.block_parameters() * 4 + cache_tokens * config.cache_bytes_per_token_per_block(4);
+    let limit = ((256u64 << 20) + per_block * 5 / 2).to_string();
+    let flags = [
+        "--update-period",
+        "1s",
+        "--dtype",
+        "f32",
+        "--memory-limit",
+        &limit,
+        "--cache-tokens",
+        "4096",
+    ];
+    let start_auto = |join: Option<String>| {
+        let flags = flags.map(String::from);
+        async move {
+            let mut args: Vec<String> = ["corolla-server", "--model"]
+                .map(String::from)
+                .to_vec();
+            args.push(tiny_llama().to_string_lossy().into_owned());
+            args.extend(["--host", "127.0.0.1", "--port", "0"].map(String::from));
+            match join {
+                Some(peer) => args.extend(["--initial-peers".into(), peer]),
+                None => args.push("--new-swarm".into()),
+            }
+            args.extend(flags);
+            let args = corolla_server::ServerArgs::from_args_and_file(args).unwrap();
+            corolla_server::Server::start(args).await.unwrap()
+        }
+    };
+    let first = start_auto(None).await;
+    assert_eq!(first.blocks(), (0, 2), "two blocks fit");
+    let boot = first.tcp_addr().unwrap().to_string();
+    let second = start_auto(Some(boot)).await;
+    assert_eq!(second.blocks(), (2, 4), "the second fills the blocks nobody serves");
+
+    let golden = Golden::load(&tiny_llama(), "float32");
+    let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
+    let node = connect(&[first.tcp_addr().unwrap().clone()])
+        .await
+        .unwrap();
+    let mut settings = SessionSettings::new(first.model(), 4, 128, WireDType::F32);
+    settings.expected_blocks = Some(block_hashes(&ck, 0, 4).unwrap());
+    let prompt = &golden.prompts[0];
+    let requests = [greedy(prompt.input_ids.clone(), prompt.generated_new_ids.len())];
+    let run = concurrent_generations(&node, &settings, &head, &requests)
+        .await
+        .unwrap();
+    assert_eq!(run.outputs[0].generated_ids, prompt.generated_new_ids);
+}

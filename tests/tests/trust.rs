@@ -270,12 +270,26 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
         let node = client_of(&server).await;
         attackers.push(node.clone());
         for j in 0..6 {
-            let mut s = open_stream(&node, peer).await;
             let mut bytes = max_frame.to_le_bytes().to_vec();
             bytes.extend_from_slice(&[0; 10]);
-            s.write_all(&bytes)
-                .await
-                .unwrap_or_else(|e| panic!("peer {} stream {j}: {e}", attackers.len()));
+            // Under load a fresh client's first connection is sometimes
+            // replaced while it settles (its streams then fail with
+            // "connection is closed"); the attack goes on on the next one.
+            let mut sent = None;
+            for _ in 0..3 {
+                let mut s = open_stream(&node, peer).await;
+                match s.write_all(&bytes).await {
+                    Ok(()) => {
+                        sent = Some(s);
+                        break;
+                    }
+                    Err(e) => {
+                        println!("peer {} stream {j}: {e}; again", attackers.len());
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            let mut s = sent.unwrap_or_else(|| panic!("peer {} stream {j} never opened", attackers.len()));
             s.flush().await.unwrap();
             streams.push(s);
         }
@@ -332,7 +346,14 @@ async fn nobody_can_forge_a_servers_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lies_about_speed_and_impossible_outputs_are_survived() {
     let reference = Reference::load();
-    let server = start_server("0:4", None, &["--update-period", "1s"]).await;
+    // A step delay makes the honest server's announced speed clearly lower
+    // than the liar's, whatever the loopback round trips do under load.
+    let server = start_server(
+        "0:4",
+        None,
+        &["--update-period", "1s", "--step-delay-ms", "5"],
+    )
+    .await;
     let boot = server.tcp_addr().unwrap().clone();
     let watcher = client_of(&server).await;
     let honest = fetch_info(
