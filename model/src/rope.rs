@@ -104,10 +104,39 @@ impl Rope {
         }
         let cos = self.cos.narrow(0, start, t)?;
         let sin = self.sin.narrow(0, start, t)?;
+        self.rotate(x, &cos, &sin)
+    }
+
+    /// The rotation of one position for each row of a batch: `cos` and
+    /// `sin` of shape `[B, 1, head_dim / 2]`, for [`Self::apply_rows`].
+    pub fn rows_at(&self, positions: &[usize]) -> Result<(Tensor, Tensor)> {
+        if let Some(&p) = positions.iter().find(|&&p| p >= self.max_positions) {
+            return Err(ModelError::MaxLengthTooLarge {
+                requested: p + 1,
+                max: self.max_positions,
+            });
+        }
+        let ids: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let ids = Tensor::from_vec(ids, positions.len(), self.cos.device())?;
+        let half = self.cos.dim(1)?;
+        let pick = |table: &Tensor| -> Result<Tensor> {
+            Ok(table
+                .index_select(&ids, 0)?
+                .reshape((positions.len(), 1, half))?)
+        };
+        Ok((pick(&self.cos)?, pick(&self.sin)?))
+    }
+
+    /// Rotates `x` (`[B, heads, 1, head_dim]`), row `i` by `rows`' row `i`.
+    pub fn apply_rows(&self, x: &Tensor, rows: &(Tensor, Tensor)) -> Result<Tensor> {
+        self.rotate(x, &rows.0, &rows.1)
+    }
+
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         Ok(match self.layout {
-            RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
         })
     }
 }

@@ -79,29 +79,26 @@ impl Attention {
         &self,
         x: &Tensor,
         starts: &[usize],
+        rotation: &(Tensor, Tensor),
         rope: &Rope,
         caches: &mut [&mut LayerCache],
     ) -> Result<Tensor> {
         let b = starts.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let (q_all, k_all, v_all) = (
-            self.q_proj.forward(x)?,
-            self.k_proj.forward(x)?,
-            self.v_proj.forward(x)?,
-        );
-        let row_heads = |all: &Tensor, i: usize, n: usize| -> Result<Tensor> {
-            Ok(all
-                .narrow(0, i, 1)?
-                .reshape((1, 1, n, hd))?
+        let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
+            Ok(proj
+                .forward(x)?
+                .reshape((b, 1, n, hd))?
                 .transpose(1, 2)?
                 .contiguous()?)
         };
+        let q = rope.apply_rows(&heads(&self.q_proj, nh)?, rotation)?;
+        let k = rope.apply_rows(&heads(&self.k_proj, nkv)?, rotation)?;
+        let v = heads(&self.v_proj, nkv)?;
         let mut rows = Vec::with_capacity(b);
         for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
-            let q = rope.apply(&row_heads(&q_all, i, nh)?, start)?;
-            let k = rope.apply(&row_heads(&k_all, i, nkv)?, start)?;
-            let v = row_heads(&v_all, i, nkv)?;
-            rows.push(self.attend(&q, &k, &v, start, cache, None)?);
+            let row = |t: &Tensor| t.narrow(0, i, 1);
+            rows.push(self.attend(&row(&q)?, &row(&k)?, &row(&v)?, start, cache, None)?);
         }
         let out = Tensor::cat(&rows, 0)?.reshape((b, nh * hd))?;
         self.o_proj.forward(&out)
@@ -213,12 +210,14 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         starts: &[usize],
+        rotation: &(Tensor, Tensor),
         rope: &Rope,
         caches: &mut [&mut LayerCache],
     ) -> Result<Tensor> {
         let attn = self.self_attn.forward_decode_batch(
             &self.input_layernorm.forward(x)?,
             starts,
+            rotation,
             rope,
             caches,
         )?;
@@ -468,13 +467,14 @@ impl BlockSpan {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let mut x = Tensor::cat(&rows, 0)?.to_dtype(self.dtype)?;
         let starts: Vec<usize> = steps.iter().map(|(_, start, _)| *start).collect();
+        let rotation = self.rope.rows_at(&starts)?;
         let layers = self.layers_of(steps[0].2);
         for (l, layer) in layers.iter().enumerate() {
             let mut caches: Vec<&mut LayerCache> = steps
                 .iter_mut()
                 .map(|(_, _, cache)| &mut cache.layers[l])
                 .collect();
-            x = layer.forward_decode_batch(&x, &starts, &self.rope, &mut caches)?;
+            x = layer.forward_decode_batch(&x, &starts, &rotation, &self.rope, &mut caches)?;
         }
         for (_, start, cache) in steps.iter_mut() {
             cache.len = *start + 1;

@@ -653,10 +653,7 @@ fn accept_sessions(
                     Some((peer, stream)) => match streams.try_take(peer) {
                         Ok(slot) => {
                             let ctx = ctx.clone();
-                            sessions.spawn(async move {
-                                serve(stream, peer, ctx).await;
-                                drop(slot);
-                            });
+                            sessions.spawn(serve(stream, peer, ctx, slot));
                         }
                         Err(refusal) => {
                             sessions.spawn(refuse_stream(stream, peer, refusal));

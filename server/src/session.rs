@@ -141,7 +141,16 @@ async fn shutting_down(shutdown: &mut watch::Receiver<bool>) {
     }
 }
 
-pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>) {
+/// Serves one stream; `stream_slot` (its place in the per-peer stream
+/// quota) is given back as soon as the session ends, before the stream's
+/// close is waited out, so a client that opens its next sessions at once
+/// is not refused for streams that are only closing.
+pub(crate) async fn serve(
+    stream: Stream,
+    peer: PeerId,
+    ctx: Arc<SessionContext>,
+    stream_slot: Slot,
+) {
     let mut io = SessionStream { stream, flow: None };
     let mut buf = Vec::new();
     let mut session: Option<Session> = None;
@@ -257,8 +266,9 @@ pub(crate) async fn serve(stream: Stream, peer: PeerId, ctx: Arc<SessionContext>
             break;
         }
     }
-    // Free the cache and the slot before waiting for the stream to close.
+    // Free the cache and the slots before waiting for the stream to close.
     drop(session);
+    drop(stream_slot);
     io.close().await;
     tracing::debug!(%peer, "session closed");
 }
