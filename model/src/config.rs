@@ -117,7 +117,11 @@ impl LlamaConfig {
         let q = (self.num_attention_heads * self.head_dim) as u64;
         let kv = (self.num_key_value_heads * self.head_dim) as u64;
         let attention = h * q + 2 * h * kv + q * h;
-        let attention_bias = if self.attention_bias { q + 2 * kv + h } else { 0 };
+        let attention_bias = if self.attention_bias {
+            q + 2 * kv + h
+        } else {
+            0
+        };
         let mlp = 3 * h * i;
         let mlp_bias = if self.mlp_bias { 2 * i + h } else { 0 };
         attention + attention_bias + mlp + mlp_bias + 2 * h

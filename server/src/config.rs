@@ -82,7 +82,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "mib" | "m" => 1024f64.powi(2),
         "gib" | "g" => 1024f64.powi(3),
         "tib" | "t" => 1024f64.powi(4),
-        _ => return Err(format!("unknown unit {unit:?} in {s:?}; use B, MB, GB, MiB, GiB")),
+        _ => {
+            return Err(format!(
+                "unknown unit {unit:?} in {s:?}; use B, MB, GB, MiB, GiB"
+            ))
+        }
     };
     let bytes = value * scale;
     if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {

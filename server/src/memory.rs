@@ -25,7 +25,9 @@ pub(crate) fn default_cache_tokens(
 ) -> usize {
     let wanted = max_sessions.saturating_mul(max_length);
     let fits = match (available, bytes_per_token) {
-        (Some(bytes), per) if per > 0 => usize::try_from(bytes / 2 / per as u64).unwrap_or(usize::MAX),
+        (Some(bytes), per) if per > 0 => {
+            usize::try_from(bytes / 2 / per as u64).unwrap_or(usize::MAX)
+        }
         _ => wanted,
     };
     wanted.min(fits).max(max_length)
@@ -77,9 +79,15 @@ mod tests {
     #[test]
     fn the_budget_follows_sessions_and_memory() {
         // Plenty of memory: every session at full length.
-        assert_eq!(default_cache_tokens(16, 2048, 1000, Some(1 << 40)), 16 * 2048);
+        assert_eq!(
+            default_cache_tokens(16, 2048, 1000, Some(1 << 40)),
+            16 * 2048
+        );
         // 64 MB available, 1 kB a token: half of it, 32768 tokens.
-        assert_eq!(default_cache_tokens(64, 2048, 1000, Some(64_000_000)), 32_000);
+        assert_eq!(
+            default_cache_tokens(64, 2048, 1000, Some(64_000_000)),
+            32_000
+        );
         // Never below one full session.
         assert_eq!(default_cache_tokens(16, 2048, 1000, Some(1000)), 2048);
         assert_eq!(default_cache_tokens(16, 2048, 1000, None), 16 * 2048);

@@ -22,12 +22,12 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admission::{CacheBudget, Quota, Refusal};
+use crate::compute::{ComputeCore, ComputeFigures, ComputeStats};
 use crate::config::{DeviceArg, NumBlocks, ServerArgs};
 use crate::error::ServerError;
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
 use crate::measure::measure;
-use crate::compute::{ComputeCore, ComputeFigures, ComputeStats};
 use crate::session::{serve, SessionContext};
 
 /// How long a leaving server stays reachable after its sessions ended, so
@@ -112,7 +112,10 @@ impl RunningServer {
         }
         let left = self.sessions.in_use();
         if left > 0 {
-            tracing::warn!(sessions = left, "drain timeout: stopping with sessions open");
+            tracing::warn!(
+                sessions = left,
+                "drain timeout: stopping with sessions open"
+            );
         }
         // The goodbye frames are written; clients between steps read them
         // when they next write.
@@ -198,22 +201,23 @@ fn auto_block_count(
     config: &LlamaConfig,
     device: &Device,
 ) -> Result<usize, ServerError> {
-    let limit = match (args.memory_limit, device.is_cpu()) {
-        (Some(limit), _) => limit,
-        (None, true) => crate::memory::available_bytes().ok_or_else(|| {
-            ServerError::Config(
-                "cannot read the available memory: pass --memory-limit or --num-blocks".into(),
-            )
-        })?,
-        (None, false) => {
-            return Err(ServerError::Config(
+    let limit =
+        match (args.memory_limit, device.is_cpu()) {
+            (Some(limit), _) => limit,
+            (None, true) => crate::memory::available_bytes().ok_or_else(|| {
+                ServerError::Config(
+                    "cannot read the available memory: pass --memory-limit or --num-blocks".into(),
+                )
+            })?,
+            (None, false) => return Err(ServerError::Config(
                 "--num-blocks auto on a GPU needs --memory-limit (the VRAM this server may use)"
                     .into(),
-            ))
-        }
-    };
+            )),
+        };
     let dtype_bytes = args.dtype.resolve(config, device).size_in_bytes();
-    let max_length = args.inference_max_length.min(config.max_position_embeddings);
+    let max_length = args
+        .inference_max_length
+        .min(config.max_position_embeddings);
     let cache_tokens = args
         .cache_tokens
         .unwrap_or((args.max_sessions as u64).saturating_mul(max_length as u64));

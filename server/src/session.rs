@@ -433,7 +433,10 @@ async fn compute_step(
         Ok(out) => out,
         Err(ComputeError::Lost(why)) => {
             tracing::error!(why, "a session's cache was lost");
-            return (None, refuse(ErrorCode::Internal, format!("{why}; session ended")));
+            return (
+                None,
+                refuse(ErrorCode::Internal, format!("{why}; session ended")),
+            );
         }
         Err(e) => return (Some(s), refuse(ErrorCode::Internal, e.to_string())),
     };

@@ -425,8 +425,7 @@ pub async fn concurrent_generations(
         let mut settings = settings.clone();
         settings.max_length = request.max_length();
         let mut chain =
-            corolla_client::RemoteChain::connect(node, settings, &candle_core::Device::Cpu)
-                .await?;
+            corolla_client::RemoteChain::connect(node, settings, &candle_core::Device::Cpu).await?;
         let out = corolla_client::generate(head, &mut chain, request, |_| {
             std::ops::ControlFlow::Continue(())
         })

@@ -49,7 +49,9 @@ async fn concurrent_sessions_are_batched_and_give_the_tokens_of_each_alone() {
     let requests: Vec<GenerateRequest> = (0..8u32)
         .map(|i| {
             let len = if i % 4 == 3 { 45 } else { 3 + i as usize };
-            let prompt = (0..len as u32).map(|j| 1 + (j * 31 + i * 7) % 500).collect();
+            let prompt = (0..len as u32)
+                .map(|j| 1 + (j * 31 + i * 7) % 500)
+                .collect();
             greedy(prompt, 24)
         })
         .collect();
@@ -162,9 +164,7 @@ async fn the_cache_budget_refuses_what_does_not_fit_and_the_dht_shows_live_figur
     .await;
     let ck = Checkpoint::open(tiny_llama()).unwrap();
     let hashes = block_hashes(&ck, 2, 4).unwrap();
-    let client = connect(&[first.tcp_addr().unwrap().clone()])
-        .await
-        .unwrap();
+    let client = connect(&[first.tcp_addr().unwrap().clone()]).await.unwrap();
     let peer = budgeted.peer_id();
     // Waits until the DHT's record of the server shows `sessions` and `free` tokens.
     let record_shows = |sessions: u32, free: u64| {
@@ -235,9 +235,7 @@ async fn auto_blocks_fill_the_memory_limit_where_the_swarm_is_weakest() {
     let start_auto = |join: Option<String>| {
         let flags = flags.map(String::from);
         async move {
-            let mut args: Vec<String> = ["corolla-server", "--model"]
-                .map(String::from)
-                .to_vec();
+            let mut args: Vec<String> = ["corolla-server", "--model"].map(String::from).to_vec();
             args.push(tiny_llama().to_string_lossy().into_owned());
             args.extend(["--host", "127.0.0.1", "--port", "0"].map(String::from));
             match join {
@@ -253,17 +251,22 @@ async fn auto_blocks_fill_the_memory_limit_where_the_swarm_is_weakest() {
     assert_eq!(first.blocks(), (0, 2), "two blocks fit");
     let boot = first.tcp_addr().unwrap().to_string();
     let second = start_auto(Some(boot)).await;
-    assert_eq!(second.blocks(), (2, 4), "the second fills the blocks nobody serves");
+    assert_eq!(
+        second.blocks(),
+        (2, 4),
+        "the second fills the blocks nobody serves"
+    );
 
     let golden = Golden::load(&tiny_llama(), "float32");
     let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
-    let node = connect(&[first.tcp_addr().unwrap().clone()])
-        .await
-        .unwrap();
+    let node = connect(&[first.tcp_addr().unwrap().clone()]).await.unwrap();
     let mut settings = SessionSettings::new(first.model(), 4, 128, WireDType::F32);
     settings.expected_blocks = Some(block_hashes(&ck, 0, 4).unwrap());
     let prompt = &golden.prompts[0];
-    let requests = [greedy(prompt.input_ids.clone(), prompt.generated_new_ids.len())];
+    let requests = [greedy(
+        prompt.input_ids.clone(),
+        prompt.generated_new_ids.len(),
+    )];
     let run = concurrent_generations(&node, &settings, &head, &requests)
         .await
         .unwrap();

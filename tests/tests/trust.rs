@@ -289,7 +289,8 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
                     }
                 }
             }
-            let mut s = sent.unwrap_or_else(|| panic!("peer {} stream {j} never opened", attackers.len()));
+            let mut s =
+                sent.unwrap_or_else(|| panic!("peer {} stream {j} never opened", attackers.len()));
             s.flush().await.unwrap();
             streams.push(s);
         }
@@ -757,4 +758,85 @@ async fn a_private_swarm_refuses_strangers_and_their_records() {
     );
     a.shutdown();
     b.shutdown();
+}
+
+/// Tokens per second of one honest answer (median of `rounds`).
+async fn honest_speed(reference: &Reference, node: &NodeHandle, rounds: u64) -> f64 {
+    let mut speeds = Vec::new();
+    for seed in 0..rounds {
+        let mut chain = RemoteChain::connect(node, settings(64), &Device::Cpu)
+            .await
+            .unwrap();
+        let out = generate(&reference.head, &mut chain, &request(seed), |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+        assert_eq!(out.generated_ids, reference.tokens(seed).await);
+        speeds.push(out.tokens_per_second());
+        chain.close().await;
+    }
+    speeds.sort_by(f64::total_cmp);
+    speeds[speeds.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_honest_client_keeps_its_speed_under_attack() {
+    let reference = Reference::load();
+    let server = start_server("0:4", None, &["--step-delay-ms", "2"]).await;
+    let peer = server.peer_id();
+    let honest = client_of(&server).await;
+    let calm = honest_speed(&reference, &honest, 5).await;
+
+    // Attackers at once: frames announced and never sent on every stream
+    // they may open, sessions held at the per-peer cap and fed bad frames.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut attacks = Vec::new();
+    for _ in 0..4 {
+        let node = client_of(&server).await;
+        let stop = stop.clone();
+        attacks.push(tokio::spawn(async move {
+            let mut announced = Vec::new();
+            for _ in 0..2 {
+                let mut s = open_stream(&node, peer).await;
+                let _ = s.write_all(&(4u32 << 20).to_le_bytes()).await;
+                let _ = s.flush().await;
+                announced.push(s);
+            }
+            let mut pests = Vec::new();
+            for _ in 0..4 {
+                let mut s = open_stream(&node, peer).await;
+                if let Some((None, _)) = exchange(&mut s, &open_frame(64, 0)).await {
+                    pests.push(s);
+                }
+            }
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for s in pests.iter_mut() {
+                    let _ = exchange(s, b"").await;
+                }
+                // Streams closed after bad frames in a row are replaced.
+                let mut s = open_stream(&node, peer).await;
+                if let Some((None, _)) = exchange(&mut s, &open_frame(64, 0)).await {
+                    pests.push(s);
+                }
+                pests.truncate(4);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            drop(announced);
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let attacked = honest_speed(&reference, &honest, 5).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for a in attacks {
+        a.await.unwrap();
+    }
+    let ratio = attacked / calm;
+    println!(
+        "honest tokens/s: {calm:.1} calm, {attacked:.1} under attack (4 peers: announced frames, held sessions, bad frames): ratio {ratio:.2}"
+    );
+    assert!(
+        ratio >= 0.5,
+        "the attack slowed the honest client to {ratio:.2}×"
+    );
 }

@@ -257,8 +257,7 @@ async fn main() -> anyhow::Result<()> {
         None => String::from("## Browser\n\nSkipped: the default model is not fetched.\n"),
     };
     let batching = bench_batching(rounds.min(3), new_tokens).await?;
-    let report =
-        format!("{report}\n{recovery}\n{default_model}\n{chat}\n{batching}\n{browser}");
+    let report = format!("{report}\n{recovery}\n{default_model}\n{chat}\n{batching}\n{browser}");
     println!("{report}");
     if let Some(path) = write_to {
         std::fs::write(path, format!("# Benchmarks\n\nLatest figures; ratios matter, absolute numbers vary with machine load.\n\n{report}\n{NOTES}\n"))?;
@@ -669,7 +668,9 @@ async fn bench_batching_of(
     let mut settings = SessionSettings::new(server.model(), layers, 256, WireDType::F32);
     settings.expected_blocks = Some(block_hashes(&ck, 0, layers)?);
     let request = |i: u32| GenerateRequest {
-        prompt_ids: (0..16u32).map(|j| 1 + (j * 37 + i * 101) % (vocab - 1)).collect(),
+        prompt_ids: (0..16u32)
+            .map(|j| 1 + (j * 37 + i * 101) % (vocab - 1))
+            .collect(),
         max_new_tokens: new_tokens,
         sampling: SamplingParams::greedy(),
         stop_at_eos: false,
