@@ -166,29 +166,40 @@ fn split_peer(addr: &Multiaddr) -> Result<(PeerId, Multiaddr), ServerError> {
     }
 }
 
-/// Picks `n` consecutive blocks where the swarm is thinnest: the window
-/// whose least-served block has the fewest servers, then the fewest in total,
-/// then the lowest start.
+/// Picks `n` consecutive blocks where the swarm is weakest, as Petals does:
+/// the window whose least-served block has the lowest announced throughput
+/// (tokens per second, summed over the servers holding it), then the lowest
+/// total, then the lowest start.
 pub fn choose_blocks(num_layers: usize, n: usize, records: &[ServerRecord]) -> (usize, usize) {
     let n = n.clamp(1, num_layers);
-    let mut coverage = vec![0usize; num_layers];
+    let mut throughput = vec![0f64; num_layers];
     for r in records {
-        for c in coverage
+        let speed = if r.throughput.is_finite() && r.throughput > 0.0 {
+            r.throughput
+        } else {
+            0.0
+        };
+        for t in throughput
             .iter_mut()
             .take((r.end as usize).min(num_layers))
             .skip(r.start as usize)
         {
-            *c += 1;
+            *t += speed;
         }
     }
+    let score = |s: usize| {
+        let w = &throughput[s..s + n];
+        (
+            w.iter().copied().fold(f64::INFINITY, f64::min),
+            w.iter().sum::<f64>(),
+        )
+    };
     let best = (0..=num_layers - n)
-        .min_by_key(|&s| {
-            let w = &coverage[s..s + n];
-            (
-                w.iter().copied().min().unwrap_or(0),
-                w.iter().sum::<usize>(),
-                s,
-            )
+        .min_by(|&a, &b| {
+            let (x, y) = (score(a), score(b));
+            x.0.total_cmp(&y.0)
+                .then(x.1.total_cmp(&y.1))
+                .then(a.cmp(&b))
         })
         .unwrap_or(0);
     (best, best + n)
@@ -784,5 +795,27 @@ mod tests {
         assert_eq!(choose_blocks(8, 3, &[record(0, 4)]), (4, 7));
         assert_eq!(choose_blocks(8, 2, &[record(0, 4), record(4, 6)]), (6, 8));
         assert_eq!(choose_blocks(8, 20, &[]), (0, 8));
+    }
+
+    #[test]
+    fn new_servers_go_where_throughput_is_lowest() {
+        let fast = |start, end, speed| {
+            let mut r = record(start, end);
+            r.throughput = speed;
+            r
+        };
+        // Both halves served once, the second slowly: a new server joins it.
+        assert_eq!(
+            choose_blocks(8, 4, &[fast(0, 4, 100.0), fast(4, 8, 5.0)]),
+            (4, 8)
+        );
+        // Two slow servers of a half weigh less than one fast one.
+        let swarm = [fast(0, 4, 3.0), fast(0, 4, 3.0), fast(4, 8, 50.0)];
+        assert_eq!(choose_blocks(8, 4, &swarm), (0, 4));
+        // A lying NaN counts as nothing.
+        assert_eq!(
+            choose_blocks(8, 4, &[fast(0, 4, f64::NAN), fast(4, 8, 1.0)]),
+            (0, 4)
+        );
     }
 }

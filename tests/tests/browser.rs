@@ -290,8 +290,11 @@ fn page_recovers_when_the_server_in_use_is_killed() {
         return;
     };
     swarm.start_page_server(&model, 0, 15, &[]);
-    swarm.start_server(&model, 15, 30, &["--http-port", "0"]);
-    swarm.start_server(&model, 15, 30, &["--http-port", "0"]);
+    // Slow replicas keep the answer going long after the first poll finds
+    // its session (a fast answer could end before the kill).
+    let slow = ["--http-port", "0", "--step-delay-ms", "300"];
+    swarm.start_server(&model, 15, 30, &slow);
+    swarm.start_server(&model, 15, 30, &slow);
     let http = swarm.servers[0].http().expect("http").to_string();
     let replicas: Vec<String> = swarm.servers[1..]
         .iter()
