@@ -237,6 +237,10 @@ impl RemoteChain {
         };
         let num_layers = chain.settings.num_layers;
         let mut attempts = 0;
+        // Servers whose connection broke under an Open once: tried again
+        // before being banned (a fresh connection can be closed while the
+        // node settles, and a lone server would otherwise end the answer).
+        let mut reconnected = std::collections::HashSet::new();
         loop {
             let route = chain.find_route(0, num_layers).await?;
             match chain.open_all(&route).await {
@@ -247,6 +251,12 @@ impl RemoteChain {
                         .map(|(hop, session)| HopState::new(hop, session))
                         .collect();
                     break;
+                }
+                Err(ClientError::Session(SessionError::Io { peer, source }))
+                    if reconnected.insert(peer) =>
+                {
+                    tracing::debug!(%peer, error = %source, "a connection broke under an Open; trying again");
+                    corolla_shared::node::sleep(Duration::from_millis(100)).await;
                 }
                 // A server announced but gone (its entry has not expired yet):
                 // route around it.
