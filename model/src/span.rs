@@ -198,6 +198,11 @@ impl DecoderLayer {
         let attn =
             self.self_attn
                 .forward(&self.input_layernorm.forward(x)?, start, rope, cache, mask)?;
+        self.add_mlp(x, attn)
+    }
+
+    /// The residual of attention, then the MLP's.
+    fn add_mlp(&self, x: &Tensor, attn: Tensor) -> Result<Tensor> {
         let x = (x + attn)?;
         let mlp = self
             .mlp
@@ -221,11 +226,7 @@ impl DecoderLayer {
             rope,
             caches,
         )?;
-        let x = (x + attn)?;
-        let mlp = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&x)?)?;
-        Ok((x + mlp)?)
+        self.add_mlp(x, attn)
     }
 }
 
