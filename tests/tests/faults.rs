@@ -79,6 +79,37 @@ async fn chain_covering(
         .unwrap()
 }
 
+/// Six servers (see [`six_servers`]), a greedy 32-token request for
+/// `prompt` and a chain over all of them; the last item is the peer id of
+/// the server the chain uses for the middle span.
+async fn answer_through_six(
+    slow_ms: u64,
+    prompt: &corolla_tests::GoldenPrompt,
+) -> (
+    Arc<Mutex<Vec<RunningServer>>>,
+    GenerateRequest,
+    RemoteChain,
+    String,
+) {
+    let servers = Arc::new(Mutex::new(six_servers(slow_ms).await));
+    let boot = addr(&servers.lock().unwrap()[0]);
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let request = GenerateRequest {
+        prompt_ids: prompt.input_ids.clone(),
+        max_new_tokens: 32,
+        sampling: SamplingParams::greedy(),
+        stop_at_eos: false,
+    };
+    let chain = chain_covering(&node, settings(request.max_length()), 6).await;
+    let victim = chain
+        .route()
+        .into_iter()
+        .find(|h| h.start == 1)
+        .unwrap()
+        .peer_id;
+    (servers, request, chain, victim)
+}
+
 fn head() -> ClientHead {
     ClientHead::load(
         &Checkpoint::open(tiny_llama()).unwrap(),
@@ -96,22 +127,7 @@ async fn killing_the_middle_server_after_token_k_changes_nothing() {
     // k = None: killed while the prompt's prefill is in flight.
     for k in [None, Some(1), Some(13), Some(31)] {
         let slow = if k.is_none() { 400 } else { 0 };
-        let servers = Arc::new(Mutex::new(six_servers(slow).await));
-        let boot = addr(&servers.lock().unwrap()[0]);
-        let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-        let request = GenerateRequest {
-            prompt_ids: prompt.input_ids.clone(),
-            max_new_tokens: 32,
-            sampling: SamplingParams::greedy(),
-            stop_at_eos: false,
-        };
-        let mut chain = chain_covering(&node, settings(request.max_length()), 6).await;
-        let victim = chain
-            .route()
-            .into_iter()
-            .find(|h| h.start == 1)
-            .unwrap()
-            .peer_id;
+        let (servers, request, mut chain, victim) = answer_through_six(slow, prompt).await;
         let kill = {
             let servers = servers.clone();
             let victim = victim.clone();
@@ -399,22 +415,7 @@ async fn a_server_leaving_mid_answer_hands_its_sessions_over_at_once() {
     let golden = Golden::load(&tiny_llama(), "float32");
     let prompt = &golden.prompts[0];
     let head = head();
-    let servers = Arc::new(Mutex::new(six_servers(0).await));
-    let boot = addr(&servers.lock().unwrap()[0]);
-    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let request = GenerateRequest {
-        prompt_ids: prompt.input_ids.clone(),
-        max_new_tokens: 32,
-        sampling: SamplingParams::greedy(),
-        stop_at_eos: false,
-    };
-    let mut chain = chain_covering(&node, settings(request.max_length()), 6).await;
-    let victim = chain
-        .route()
-        .into_iter()
-        .find(|h| h.start == 1)
-        .unwrap()
-        .peer_id;
+    let (servers, request, mut chain, victim) = answer_through_six(0, prompt).await;
     let leaving: Arc<Mutex<Option<tokio::task::JoinHandle<Duration>>>> = Arc::default();
     let mut generated = 0;
     let out = generate(&head, &mut chain, &request, |_| {
