@@ -214,6 +214,7 @@ mod tests {
             addresses: vec![],
             published_at_ms: 0,
             leaving: false,
+            rebalances: false,
         }
     }
 

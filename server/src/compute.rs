@@ -49,7 +49,7 @@ pub(crate) struct ComputeStats {
 }
 
 /// A copy of [`ComputeStats`] at one moment.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct ComputeFigures {
     pub decode_batches: u64,
     pub decode_steps: u64,
@@ -133,10 +133,6 @@ impl ComputeCore {
 
     pub fn stats(&self) -> &ComputeStats {
         &self.stats
-    }
-
-    pub fn stats_handle(&self) -> Arc<ComputeStats> {
-        self.stats.clone()
     }
 
     /// Allocates a cache for `layers` and `max_length` positions (off the

@@ -242,6 +242,11 @@ pub struct ServerArgs {
     /// server stops anyway.
     #[arg(long, env = "COROLLA_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// A server that chose its blocks itself moves them when that raises
+    /// the swarm's weakest block throughput by more than this share
+    /// (0.15: 15 %); `off` keeps them where they are.
+    #[arg(long, env = "COROLLA_BALANCE_QUALITY", default_value = "0.15", value_parser = parse_balance_quality)]
+    pub balance_quality: BalanceQuality,
     /// Decode steps computed in one batched forward.
     #[arg(long, env = "COROLLA_MAX_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_batch: u32,
@@ -252,6 +257,27 @@ pub fn parse_rate(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
         _ => Err(format!("{s:?} is not a rate between 0 and 1")),
+    }
+}
+
+/// `--balance-quality`: the least gain worth a move, or never move.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BalanceQuality {
+    Off,
+    /// A share of the swarm's weakest block throughput (0.15: 15 %).
+    Gain(f64),
+}
+
+/// `off`, or a share from 0 to 10 (a swarm eleven times stronger).
+fn parse_balance_quality(s: &str) -> Result<BalanceQuality, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(BalanceQuality::Off);
+    }
+    match s.trim().parse::<f64>() {
+        Ok(q) if (0.0..=10.0).contains(&q) => Ok(BalanceQuality::Gain(q)),
+        _ => Err(format!(
+            "{s:?} is neither `off` nor a share between 0 and 10 (0.15 is 15 %)"
+        )),
     }
 }
 

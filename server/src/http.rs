@@ -28,9 +28,9 @@ pub use corolla_shared::manifest::{ClientFile, ClientManifest};
 
 use crate::config::ServerArgs;
 use crate::error::ServerError;
+use crate::host::SpanHost;
 use crate::http_guard::{guard_request, serve_bounded, Guard, HttpLimits};
 use crate::hub::ModelSource;
-use crate::session::SessionContext;
 use crate::tls::TlsIdentity;
 
 /// `GET /api/status`: the live record plus how browsers reach this server.
@@ -46,7 +46,7 @@ struct Status {
 }
 
 struct HttpState {
-    ctx: Arc<SessionContext>,
+    host: Arc<SpanHost>,
     http: String,
     browser_addresses: Vec<String>,
     /// Keeps the client part's folder alive as long as the server.
@@ -84,7 +84,7 @@ pub(crate) async fn start(
     checkpoint: Arc<Checkpoint>,
     source: Arc<ModelSource>,
     model: &str,
-    ctx: Arc<SessionContext>,
+    host: Arc<SpanHost>,
     tls: Option<Arc<TlsIdentity>>,
     listen_addrs: &[Multiaddr],
 ) -> Result<Option<(String, JoinHandle<()>)>, ServerError> {
@@ -125,7 +125,7 @@ pub(crate) async fn start(
             .map(ToString::to_string)
             .collect(),
     };
-    let (_, url, task) = serve(config, ctx, part).await?;
+    let (_, url, task) = serve(config, host, part).await?;
     tracing::info!(%url, "serving HTTP");
     Ok(Some((url, task)))
 }
@@ -184,7 +184,7 @@ const MANIFEST: &str = "manifest.json";
 /// Binds `config.listen` and serves until the returned task is aborted.
 async fn serve(
     config: HttpConfig,
-    ctx: Arc<SessionContext>,
+    host: Arc<SpanHost>,
     client_part: tempfile::TempDir,
 ) -> Result<(SocketAddr, String, JoinHandle<()>), ServerError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -205,7 +205,7 @@ async fn serve(
     // streams files (with ranges) and refuses paths that leave the folder.
     let files = ServeDir::new(part_dir(&client_part));
     let state = Arc::new(HttpState {
-        ctx,
+        host,
         http: http.clone(),
         browser_addresses: config.browser_addresses,
         _client_dir_guard: client_part,
@@ -236,10 +236,14 @@ async fn serve(
 
 async fn status(State(state): State<Arc<HttpState>>) -> Json<Status> {
     Json(Status {
-        record: state.ctx.record(),
+        record: state.host.record(),
         http: state.http.clone(),
         browser_addresses: state.browser_addresses.clone(),
-        compute: state.ctx.core.stats().figures(),
+        compute: state
+            .host
+            .ctx()
+            .map(|ctx| ctx.core.stats().figures())
+            .unwrap_or_default(),
     })
 }
 

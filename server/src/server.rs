@@ -4,13 +4,13 @@
 use std::collections::HashSet;
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use corolla_model::fingerprint::{block_hashes, default_model_name, fingerprint};
-use corolla_model::{BlockSpan, Checkpoint, Device, LlamaConfig, ModelError};
+use corolla_model::fingerprint::default_model_name;
+use corolla_model::{Checkpoint, Device, LlamaConfig, ModelError};
 use corolla_shared::behaviour::NetworkLimits;
-use corolla_shared::node::{Announcement, LiveFigures, Node, NodeEvent, NodeHandle};
+use corolla_shared::node::{Node, NodeEvent, NodeHandle};
 use corolla_shared::peers::parse_peer_list;
 use corolla_shared::protocol::{ErrorCode, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use corolla_shared::{framing, native, Limits, ServerRecord};
@@ -18,17 +18,18 @@ use futures::{AsyncWriteExt, StreamExt};
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId, Stream};
 use serde::Serialize;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admission::{CacheBudget, Quota, Refusal};
-use crate::compute::{ComputeCore, ComputeFigures, ComputeStats};
-use crate::config::{DeviceArg, NumBlocks, ServerArgs};
+use crate::compute::ComputeFigures;
+use crate::config::{BalanceQuality, DeviceArg, NumBlocks, ServerArgs};
 use crate::error::ServerError;
+use crate::host::{HostSettings, SpanHost, SpanLoader};
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
-use crate::measure::measure;
-use crate::session::{serve, SessionContext};
+use crate::placement::choose_blocks;
+use crate::rebalance::Rebalancer;
+use crate::session::serve;
 
 /// How long a leaving server stays reachable after its sessions ended, so
 /// that clients between two steps still read why (and not a closed connection).
@@ -39,13 +40,12 @@ pub struct RunningServer {
     peer_id: PeerId,
     addrs: Vec<Multiaddr>,
     model: String,
-    start: usize,
-    end: usize,
     node: NodeHandle,
     tasks: Vec<JoinHandle<()>>,
+    /// Moves the blocks; stopped first when the server leaves.
+    rebalancer: Option<JoinHandle<()>>,
     http: Option<String>,
-    shutdown: watch::Sender<bool>,
-    compute: Arc<ComputeStats>,
+    host: Arc<SpanHost>,
     sessions: Arc<Quota>,
     drain_timeout: Duration,
 }
@@ -77,8 +77,14 @@ impl RunningServer {
         &self.model
     }
 
+    /// The blocks served now (a rebalancing server moves them).
     pub fn blocks(&self) -> (usize, usize) {
-        (self.start, self.end)
+        self.host.blocks()
+    }
+
+    /// The announced record of the moment, live figures included.
+    pub fn record(&self) -> ServerRecord {
+        self.host.record()
     }
 
     pub fn node(&self) -> &NodeHandle {
@@ -87,7 +93,10 @@ impl RunningServer {
 
     /// What the compute core has done so far (decode batches, prefill chunks).
     pub fn compute_figures(&self) -> ComputeFigures {
-        self.compute.figures()
+        self.host
+            .ctx()
+            .map(|ctx| ctx.core.stats().figures())
+            .unwrap_or_default()
     }
 
     /// Stops listening, announcing and serving at once, as a crash would.
@@ -101,7 +110,13 @@ impl RunningServer {
     /// signed last record saying so and loses the provider entry; it stops
     /// once every session has ended, or after `--drain-timeout`.
     pub async fn leave(mut self) {
-        let _ = self.shutdown.send(true);
+        if let Some(r) = self.rebalancer.take() {
+            r.abort();
+        }
+        let hosted = self.host.put_down();
+        if let Some(h) = &hosted {
+            h.tell_sessions_to_leave();
+        }
         let started = tokio::time::Instant::now();
         if let Err(e) = self.node.leave().await {
             tracing::debug!(error = %e, "could not tell the DHT");
@@ -125,7 +140,7 @@ impl RunningServer {
     }
 
     fn abort(&mut self) {
-        for t in self.tasks.drain(..) {
+        for t in self.tasks.drain(..).chain(self.rebalancer.take()) {
             t.abort();
         }
     }
@@ -164,45 +179,6 @@ fn split_peer(addr: &Multiaddr) -> Result<(PeerId, Multiaddr), ServerError> {
             "initial peer {addr} must end in /p2p/<peer id>"
         ))),
     }
-}
-
-/// Picks `n` consecutive blocks where the swarm is weakest, as Petals does:
-/// the window whose least-served block has the lowest announced throughput
-/// (tokens per second, summed over the servers holding it), then the lowest
-/// total, then the lowest start.
-pub fn choose_blocks(num_layers: usize, n: usize, records: &[ServerRecord]) -> (usize, usize) {
-    let n = n.clamp(1, num_layers);
-    let mut throughput = vec![0f64; num_layers];
-    for r in records {
-        let speed = if r.throughput.is_finite() && r.throughput > 0.0 {
-            r.throughput
-        } else {
-            0.0
-        };
-        for t in throughput
-            .iter_mut()
-            .take((r.end as usize).min(num_layers))
-            .skip(r.start as usize)
-        {
-            *t += speed;
-        }
-    }
-    let score = |s: usize| {
-        let w = &throughput[s..s + n];
-        (
-            w.iter().copied().fold(f64::INFINITY, f64::min),
-            w.iter().sum::<f64>(),
-        )
-    };
-    let best = (0..=num_layers - n)
-        .min_by(|&a, &b| {
-            let (x, y) = (score(a), score(b));
-            x.0.total_cmp(&y.0)
-                .then(x.1.total_cmp(&y.1))
-                .then(a.cmp(&b))
-        })
-        .unwrap_or(0);
-    (best, best + n)
 }
 
 /// `--num-blocks auto`: the blocks that fit in `--memory-limit` (default:
@@ -466,82 +442,65 @@ impl Server {
             .into());
         }
         tracing::info!(%model, start, end, "loading blocks");
-        let (span, throughput, fp, hashes) = {
-            let ck = checkpoint.clone();
-            let dtype = args.dtype.resolve(&config, &device);
-            let step_delay = Duration::from_millis(args.step_delay_ms);
-            let source = source.clone();
-            tokio::task::spawn_blocking(move || {
-                source.fetch(ck.files_for_layers(start, end))?;
-                let hashes = block_hashes(&ck, start, end)?;
-                // Known when the index carries it or every weight is at hand;
-                // a server that downloaded only its blocks announces none.
-                let fp = fingerprint(&ck).unwrap_or_default();
-                let span = BlockSpan::load(&ck, start, end, dtype, &device)?;
-                let throughput = measure(&span, step_delay)?;
-                Ok::<_, ServerError>((span, throughput, fp, hashes))
-            })
-            .await
-            .map_err(|e| ServerError::Config(e.to_string()))??
+        let loader = SpanLoader {
+            checkpoint: checkpoint.clone(),
+            source: source.clone(),
+            dtype: args.dtype.resolve(&config, &device),
+            device: device.clone(),
+            step_delay: Duration::from_millis(args.step_delay_ms),
         };
-        tracing::info!(
-            decode = throughput.decode,
-            prefill = throughput.prefill,
-            "measured tokens per second"
-        );
+        let loaded = loader.load(start, end).await?;
 
         // No session is longer than the model's positions, whatever the flag says.
         let max_length = args
             .inference_max_length
             .min(config.max_position_embeddings);
-        let record = ServerRecord {
+        let rebalances =
+            args.block_indices.is_none() && args.balance_quality != BalanceQuality::Off;
+        let template = ServerRecord {
             peer_id: peer_id.to_string(),
             model: model.clone(),
-            fingerprint: fp,
-            block_hashes: hashes.clone(),
-            start: start as u32,
-            end: end as u32,
+            fingerprint: String::new(),
+            block_hashes: Vec::new(),
+            start: 0,
+            end: 0,
             num_layers: num_layers as u32,
             hidden_size: config.hidden_size as u32,
-            throughput: throughput.decode,
-            prefill_throughput: throughput.prefill,
+            throughput: 0.0,
+            prefill_throughput: 0.0,
             cache_tokens_left: 0,
             max_length: u32::try_from(max_length).unwrap_or(u32::MAX),
             sessions: 0,
             max_sessions: args.max_sessions as u32,
-            dtype: format!("{:?}", span.dtype()).to_lowercase(),
+            dtype: String::new(),
             version: env!("CARGO_PKG_VERSION").into(),
             addresses: addrs.iter().map(ToString::to_string).collect(),
             published_at_ms: 0,
             leaving: false,
+            rebalances,
         };
         let per_peer = args
             .max_sessions_per_peer
             .unwrap_or(args.max_sessions / 4)
             .max(1);
-        let (shutdown, shutdown_rx) = watch::channel(false);
+        let cache_bytes_per_token = loaded.span.cache_bytes_per_token();
         let cache_tokens = match args.cache_tokens {
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
             None => crate::memory::default_cache_tokens(
                 args.max_sessions,
                 max_length,
-                span.cache_bytes_per_token(),
+                cache_bytes_per_token,
                 crate::memory::available_bytes(),
             ),
         };
         tracing::info!(
             cache_tokens,
-            mib = (cache_tokens as u64).saturating_mul(span.cache_bytes_per_token() as u64) >> 20,
+            mib = (cache_tokens as u64).saturating_mul(cache_bytes_per_token as u64) >> 20,
             "KV-cache budget"
         );
-        let core = ComputeCore::start(Arc::new(span), args.compute_settings())
-            .map_err(|e| ServerError::Config(format!("cannot start the compute thread: {e}")))?;
-        let compute = core.stats_handle();
         let sessions = Quota::new(per_peer, args.max_sessions);
-        let ctx = Arc::new(SessionContext {
-            core,
-            model: model.clone(),
-            block_hashes: hashes,
+        let settings = Arc::new(HostSettings {
+            template,
             // No step can carry more than max_length positions of f32 hidden
             // states; frames are bounded by that before any buffer grows.
             limits: Limits {
@@ -556,8 +515,8 @@ impl Server {
             sessions: sessions.clone(),
             cache: CacheBudget::new(cache_tokens),
             corrupt_outputs: args.corrupt_outputs,
-            shutdown: shutdown_rx,
-            record: Mutex::new(record.clone()),
+            compute: args.compute_settings(),
+            update_period: args.update_period,
         });
         if args.corrupt_outputs > 0.0 {
             tracing::warn!(
@@ -565,38 +524,52 @@ impl Server {
                 "--corrupt-outputs: this server returns wrong activations on purpose (a testing aid)"
             );
         }
+        let hosted = settings.host(loaded)?;
+        let announcement = settings.announcement(&hosted);
+        let host = SpanHost::new(hosted);
         // Streams not yet holding a session cost a little each: a few more
         // than a peer's sessions, a few more than all sessions in total.
         let streams = Quota::new(per_peer + 2, args.max_sessions.saturating_mul(2) + 8);
-        // Each announcement carries the figures of the moment.
-        let live: LiveFigures = {
-            let ctx = Arc::downgrade(&ctx);
-            Arc::new(move |record: &mut ServerRecord| {
-                if let Some(ctx) = ctx.upgrade() {
-                    ctx.fill_live_figures(record);
-                }
-            })
+        tasks.push(accept_sessions(&handle, host.clone(), streams)?);
+        tasks.push(accept_info(&handle, host.clone())?);
+        let http = match crate::http::start(
+            &args,
+            checkpoint.clone(),
+            source,
+            &model,
+            host.clone(),
+            tls,
+            &addrs,
+        )
+        .await?
+        {
+            Some((url, task)) => {
+                tasks.push(task);
+                Some(url)
+            }
+            None => None,
         };
-        tasks.push(accept_sessions(&handle, ctx.clone(), streams)?);
-        tasks.push(accept_info(&handle, ctx.clone())?);
-        let http =
-            match crate::http::start(&args, checkpoint.clone(), source, &model, ctx, tls, &addrs)
-                .await?
-            {
-                Some((url, task)) => {
-                    tasks.push(task);
-                    Some(url)
-                }
-                None => None,
-            };
         handle
-            .announce(Some(Announcement {
-                record,
-                period: args.update_period,
-                live: Some(live),
-            }))
+            .announce(Some(announcement))
             .await
             .map_err(|e| ServerError::Network(e.to_string()))?;
+        let rebalancer = match args.balance_quality {
+            BalanceQuality::Gain(quality) if rebalances => Some(tokio::spawn(
+                Rebalancer {
+                    node: handle.clone(),
+                    host: host.clone(),
+                    settings,
+                    loader,
+                    sessions: sessions.clone(),
+                    num_layers,
+                    period: args.update_period,
+                    quality,
+                    drain_timeout: args.drain_timeout,
+                }
+                .run(),
+            )),
+            _ => None,
+        };
 
         if let Some(path) = &args.addr_file {
             write_addr_file(
@@ -615,13 +588,11 @@ impl Server {
             peer_id,
             addrs,
             model,
-            start,
-            end,
             node: handle,
             tasks,
+            rebalancer,
             http,
-            shutdown,
-            compute,
+            host,
             sessions,
             drain_timeout: args.drain_timeout,
         })
@@ -652,7 +623,7 @@ fn write_addr_file(path: &Path, content: &AddrFile) -> Result<(), ServerError> {
 
 fn accept_sessions(
     handle: &NodeHandle,
-    ctx: Arc<SessionContext>,
+    host: Arc<SpanHost>,
     streams: Arc<Quota>,
 ) -> Result<JoinHandle<()>, ServerError> {
     let mut incoming = handle
@@ -665,13 +636,22 @@ fn accept_sessions(
         loop {
             tokio::select! {
                 next = incoming.next() => match next {
-                    Some((peer, stream)) => match streams.try_take(peer) {
-                        Ok(slot) => {
-                            let ctx = ctx.clone();
+                    Some((peer, stream)) => match (host.ctx(), streams.try_take(peer)) {
+                        (Some(ctx), Ok(slot)) => {
                             sessions.spawn(serve(stream, peer, ctx, slot));
                         }
-                        Err(refusal) => {
-                            sessions.spawn(refuse_stream(stream, peer, refusal));
+                        (None, _) => {
+                            let message = "this server is changing its blocks or leaving; continue elsewhere";
+                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::ShuttingDown, message.into()));
+                        }
+                        (Some(_), Err(refusal)) => {
+                            let message = match refusal {
+                                Refusal::PeerFull { limit } => {
+                                    format!("busy: this peer has {limit} streams open, the most one peer may")
+                                }
+                                Refusal::Full { limit } => format!("busy: {limit}/{limit} streams in use"),
+                            };
+                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::Busy, message));
                         }
                     },
                     None => break,
@@ -682,16 +662,10 @@ fn accept_sessions(
     }))
 }
 
-/// Tells a peer over its quota of streams why, briefly, and closes.
-async fn refuse_stream(mut stream: Stream, peer: PeerId, refusal: Refusal) {
-    let message = match refusal {
-        Refusal::PeerFull { limit } => {
-            format!("busy: this peer has {limit} streams open, the most one peer may")
-        }
-        Refusal::Full { limit } => format!("busy: {limit}/{limit} streams in use"),
-    };
+/// Tells a peer why its stream is not served, briefly, and closes.
+async fn refuse_stream(mut stream: Stream, peer: PeerId, code: ErrorCode, message: String) {
     tracing::debug!(%peer, %message, "refused a stream");
-    let frame = Response::error(ErrorCode::Busy, message).encode();
+    let frame = Response::error(code, message).encode();
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = framing::write_frame(&mut stream, &frame).await;
         let _ = stream.close().await;
@@ -699,17 +673,14 @@ async fn refuse_stream(mut stream: Stream, peer: PeerId, refusal: Refusal) {
     .await;
 }
 
-fn accept_info(
-    handle: &NodeHandle,
-    ctx: Arc<SessionContext>,
-) -> Result<JoinHandle<()>, ServerError> {
+fn accept_info(handle: &NodeHandle, host: Arc<SpanHost>) -> Result<JoinHandle<()>, ServerError> {
     let mut incoming = handle
         .control()
         .accept(INFO_PROTOCOL)
         .map_err(|e| ServerError::Network(e.to_string()))?;
     Ok(tokio::spawn(async move {
         while let Some((_peer, mut stream)) = incoming.next().await {
-            let bytes = ctx.record().to_bytes();
+            let bytes = host.record().to_bytes();
             tokio::spawn(async move {
                 let _ = tokio::time::timeout(Duration::from_secs(10), async {
                     let _ = framing::write_frame(&mut stream, &bytes).await;
@@ -772,50 +743,5 @@ async fn stop_signal() -> std::io::Result<()> {
     #[cfg(not(unix))]
     {
         tokio::signal::ctrl_c().await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::choose_blocks;
-    use corolla_shared::ServerRecord;
-
-    fn record(start: u32, end: u32) -> ServerRecord {
-        let json = format!(
-            r#"{{"peer_id":"p","model":"m","fingerprint":"","start":{start},"end":{end},"num_layers":8,
-            "hidden_size":8,"throughput":1.0,"prefill_throughput":1.0,"cache_tokens_left":1,"max_length":1,
-            "sessions":0,"max_sessions":1,"dtype":"f32","version":"0","addresses":[]}}"#
-        );
-        ServerRecord::from_bytes(json.as_bytes()).unwrap()
-    }
-
-    #[test]
-    fn new_servers_fill_the_thinnest_blocks() {
-        assert_eq!(choose_blocks(8, 3, &[]), (0, 3));
-        assert_eq!(choose_blocks(8, 3, &[record(0, 4)]), (4, 7));
-        assert_eq!(choose_blocks(8, 2, &[record(0, 4), record(4, 6)]), (6, 8));
-        assert_eq!(choose_blocks(8, 20, &[]), (0, 8));
-    }
-
-    #[test]
-    fn new_servers_go_where_throughput_is_lowest() {
-        let fast = |start, end, speed| {
-            let mut r = record(start, end);
-            r.throughput = speed;
-            r
-        };
-        // Both halves served once, the second slowly: a new server joins it.
-        assert_eq!(
-            choose_blocks(8, 4, &[fast(0, 4, 100.0), fast(4, 8, 5.0)]),
-            (4, 8)
-        );
-        // Two slow servers of a half weigh less than one fast one.
-        let swarm = [fast(0, 4, 3.0), fast(0, 4, 3.0), fast(4, 8, 50.0)];
-        assert_eq!(choose_blocks(8, 4, &swarm), (0, 4));
-        // A lying NaN counts as nothing.
-        assert_eq!(
-            choose_blocks(8, 4, &[fast(0, 4, f64::NAN), fast(4, 8, 1.0)]),
-            (0, 4)
-        );
     }
 }

@@ -266,9 +266,11 @@ pub(crate) async fn serve(
             break;
         }
     }
-    // Free the cache and the slots before waiting for the stream to close.
+    // Free the cache, the slots and the span (a moving server waits for
+    // them) before waiting for the stream to close.
     drop(session);
     drop(stream_slot);
+    drop(ctx);
     io.close().await;
     tracing::debug!(%peer, "session closed");
 }

@@ -49,6 +49,10 @@ pub struct ServerRecord {
     /// The server's last word: it is leaving, route elsewhere.
     #[serde(default)]
     pub leaving: bool,
+    /// The server chose its blocks itself and moves them where the swarm
+    /// needs them (servers with fixed `--block-indices` do not).
+    #[serde(default)]
+    pub rebalances: bool,
 }
 
 /// A record with its signature, as stored in the DHT.

@@ -315,3 +315,166 @@ fn demo_servers_die_with_a_killed_demo() {
     let Some(model) = default_model() else { return };
     demo_servers_stop_on(&model, "-KILL", false);
 }
+
+/// Starts a server of the default model that sizes its span from
+/// `memory_limit` (`--num-blocks auto`) and places it itself.
+async fn start_auto_server(
+    model: &Path,
+    memory_limit: u64,
+    join: &str,
+    extra: &[&str],
+) -> corolla_server::RunningServer {
+    let mut args: Vec<String> = ["corolla-server", "--model"].map(String::from).to_vec();
+    args.push(model.to_string_lossy().into_owned());
+    args.extend(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--initial-peers",
+            join,
+            "--memory-limit",
+            &memory_limit.to_string(),
+        ]
+        .map(String::from),
+    );
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args = corolla_server::ServerArgs::from_args_and_file(args).expect("server flags");
+    corolla_server::Server::start(args)
+        .await
+        .expect("server starts")
+}
+
+/// Blocks `0..n` all served by some of `servers`.
+fn covered(servers: &[&corolla_server::RunningServer], n: usize) -> bool {
+    (0..n).all(|b| {
+        servers.iter().any(|s| {
+            let (start, end) = s.blocks();
+            (start..end).contains(&b)
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_auto_servers_spread_out_while_an_answer_runs() {
+    let Some(model) = default_model() else { return };
+    let ck = corolla_model::Checkpoint::open(&model).unwrap();
+    let config = ck.config().clone();
+    assert_eq!(config.num_hidden_layers, 30);
+    // A memory limit for ten of the thirty blocks (f32) with 4096 cache
+    // positions each, over the margin of 256 MiB.
+    let cache_tokens = 4096u64;
+    let per_block =
+        config.block_parameters() * 4 + cache_tokens * config.cache_bytes_per_token_per_block(4);
+    let limit = (256u64 << 20) + per_block * 21 / 2;
+    // Two seconds: the answer below is under way before the first look.
+    let auto = [
+        "--update-period",
+        "2s",
+        "--dtype",
+        "f32",
+        "--cache-tokens",
+        "4096",
+    ];
+    // A slow server with fixed blocks 20..30 keeps the swarm whole from the
+    // start; it never moves.
+    let fixed = start_model_server(
+        &model,
+        "20:30",
+        None,
+        &["--update-period", "1s", "--step-delay-ms", "100"],
+    )
+    .await;
+    let boot = fixed.tcp_addr().unwrap().to_string();
+    let c = start_auto_server(&model, limit, &boot, &auto).await;
+    assert_eq!(
+        c.blocks(),
+        (0, 10),
+        "the first automatic server takes the first gap"
+    );
+    // Two servers starting together see the same swarm and overlap.
+    let (a, b) = tokio::join!(
+        start_auto_server(&model, limit, &boot, &auto),
+        start_auto_server(&model, limit, &boot, &auto)
+    );
+    assert_eq!(
+        (a.blocks(), b.blocks()),
+        ((10, 20), (10, 20)),
+        "the two overlap"
+    );
+
+    // An answer runs while the swarm rebalances: the overlap's weakest
+    // neighbour is the slow server's blocks, so one of the two moves there.
+    let reference = SmolReference::load().runs[0].clone();
+    let answer = {
+        let (model, boot, prompt) = (model.clone(), boot.clone(), reference.prompt.clone());
+        let chat = reference.chat;
+        tokio::task::spawn_blocking(move || {
+            let mut args = vec![
+                "--initial-peers",
+                boot.as_str(),
+                "--prompt",
+                prompt.as_str(),
+            ];
+            if chat {
+                args.push("--chat");
+            }
+            generate_json(&model, &args)
+        })
+    };
+    let started = Instant::now();
+    while !covered(&[&a, &b, &c], 30) {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no full coverage by the automatic servers: {:?} {:?} {:?}",
+            a.blocks(),
+            b.blocks(),
+            c.blocks()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let moved_after = started.elapsed();
+    let out = answer.await.unwrap();
+    let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+    assert_eq!(ids, reference.generated_ids, "the answer during the move");
+    let mut spans = [a.blocks(), b.blocks(), c.blocks()];
+    spans.sort();
+    assert_eq!(spans, [(0, 10), (10, 20), (20, 30)]);
+    println!(
+        "full coverage {moved_after:?} after the answer started; its route {}, recoveries {}",
+        out["route"], out["recoveries"]
+    );
+
+    // The automatic servers alone answer now, the same tokens.
+    fixed.leave().await;
+    let peer = a.tcp_addr().unwrap().to_string();
+    let out = tokio::task::spawn_blocking({
+        let (model, prompt, chat) = (model.clone(), reference.prompt.clone(), reference.chat);
+        move || {
+            let mut args = vec![
+                "--initial-peers",
+                peer.as_str(),
+                "--prompt",
+                prompt.as_str(),
+            ];
+            if chat {
+                args.push("--chat");
+            }
+            generate_json(&model, &args)
+        }
+    })
+    .await
+    .unwrap();
+    let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+    assert_eq!(ids, reference.generated_ids, "the answer after the move");
+    // Nobody moves once the swarm is even.
+    assert_eq!(
+        {
+            let mut s = [a.blocks(), b.blocks(), c.blocks()];
+            s.sort();
+            s
+        },
+        [(0, 10), (10, 20), (20, 30)]
+    );
+}
