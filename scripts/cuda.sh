@@ -5,10 +5,13 @@
 # above 13.4). Everything it makes lives outside the clone, under
 # ~/.cache/corolla/cuda (override with COROLLA_CUDA_CACHE). Never run by CI.
 #
-#   scripts/cuda.sh            build (idempotent; a warm rebuild takes seconds)
-#   scripts/cuda.sh --env      print the environment a shell needs to run it
+#   scripts/cuda.sh              build (idempotent; a warm rebuild takes seconds)
+#   scripts/cuda.sh --stage DIR  build, then copy corolla-gpu-check (stripped)
+#                                into DIR for the device tool to carry
+#   scripts/cuda.sh --env        print the environment a shell needs to run it
 #
-# The binary lands at $COROLLA_CUDA_CACHE/target/release/corolla-server.
+# The binaries land in $COROLLA_CUDA_CACHE/target/release: corolla-server and
+# corolla-gpu-check (what scripts/gpu-check.sh runs on a lent GPU machine).
 set -euo pipefail
 
 cache="${COROLLA_CUDA_CACHE:-$HOME/.cache/corolla/cuda}"
@@ -87,8 +90,19 @@ if [ "${1:-}" = "--env" ]; then
 fi
 
 say "nvcc: $(nvcc --version | sed -n 4p)"
-say "building corolla-server --features cuda for sm_${compute_cap} into $CARGO_TARGET_DIR (cold: ~15 min on 2 cores)"
+say "building corolla-server and corolla-gpu-check with CUDA for sm_${compute_cap} into $CARGO_TARGET_DIR (cold: ~15 min on 2 cores)"
 started=$(date +%s)
-(cd "$repo" && cargo build --release --locked -p corolla-server --features cuda)
-binary="$CARGO_TARGET_DIR/release/corolla-server"
-say "built $binary ($(du -h "$binary" | cut -f1)) in $(( $(date +%s) - started )) s"
+(cd "$repo" && cargo build --release --locked -p corolla-server -p corolla-tests \
+    --features corolla-server/cuda,corolla-tests/cuda --bin corolla-server --bin corolla-gpu-check)
+for binary in corolla-server corolla-gpu-check; do
+    say "built $CARGO_TARGET_DIR/release/$binary ($(du -h "$CARGO_TARGET_DIR/release/$binary" | cut -f1))"
+done
+say "in $(( $(date +%s) - started )) s"
+
+if [ "${1:-}" = "--stage" ]; then
+    stage="${2:?--stage needs a folder}"
+    mkdir -p "$stage"
+    cp "$CARGO_TARGET_DIR/release/corolla-gpu-check" "$stage/"
+    strip "$stage/corolla-gpu-check"
+    say "staged $stage/corolla-gpu-check ($(du -h "$stage/corolla-gpu-check" | cut -f1))"
+fi

@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use corolla_model::{BlockSpan, ModelError, SessionCache, Tensor};
 use tokio::sync::oneshot;
@@ -24,6 +25,11 @@ pub(crate) struct ComputeSettings {
     pub max_chunk_tokens: usize,
     /// Decode steps in one forward.
     pub max_batch: usize,
+    /// How long a decode batch may wait for the steps of sessions that were
+    /// decoding a moment ago (at most a quarter of the last batch's time),
+    /// so that sessions whose clients answer a little later join the batch
+    /// instead of forming the next one.
+    pub max_batch_wait: Duration,
 }
 
 impl Default for ComputeSettings {
@@ -31,6 +37,7 @@ impl Default for ComputeSettings {
         ComputeSettings {
             max_chunk_tokens: 256,
             max_batch: 64,
+            max_batch_wait: Duration::from_millis(10),
         }
     }
 }
@@ -115,6 +122,8 @@ impl ComputeCore {
             caches: HashMap::new(),
             decodes: Vec::new(),
             prefills: VecDeque::new(),
+            decoding: HashMap::new(),
+            last_batch_time: Duration::ZERO,
         };
         std::thread::Builder::new()
             .name("corolla-compute".into())
@@ -202,6 +211,10 @@ struct Scheduler {
     caches: HashMap<SessionId, SessionCache>,
     decodes: Vec<StepJob>,
     prefills: VecDeque<Prefill>,
+    /// When each session last sent a decode step.
+    decoding: HashMap<SessionId, Instant>,
+    /// How long the last decode batches took, one after another.
+    last_batch_time: Duration,
 }
 
 impl Scheduler {
@@ -216,8 +229,39 @@ impl Scheduler {
             while let Ok(job) = queue.try_recv() {
                 self.take(job);
             }
+            self.gather_decodes(&queue);
             self.run_decodes();
             self.run_prefill_chunk();
+        }
+    }
+
+    /// Waits a little for the decode steps of sessions that stepped during
+    /// the last two batches and have not sent their next one yet; sessions
+    /// that fall silent stop being waited for after two batches.
+    fn gather_decodes(&mut self, queue: &mpsc::Receiver<Job>) {
+        if self.decodes.is_empty() || !self.prefills.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let recent = self.last_batch_time * 2;
+        self.decoding
+            .retain(|_, last| now.duration_since(*last) <= recent);
+        let expected = self.decoding.len().min(self.settings.max_batch.max(1));
+        let wait = (self.last_batch_time / 4).min(self.settings.max_batch_wait);
+        let deadline = now + wait;
+        while self.decodes.len() < expected {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match queue.recv_timeout(left) {
+                Ok(job) => self.take(job),
+                Err(_) => break,
+            }
+            // A prefill waiting is not held up for stragglers.
+            if !self.prefills.is_empty() {
+                break;
+            }
         }
     }
 
@@ -228,11 +272,14 @@ impl Scheduler {
             }
             Job::Close { id } => {
                 self.caches.remove(&id);
+                self.decoding.remove(&id);
             }
             Job::Step(step) => {
                 if step.input.dims().get(1) == Some(&1) {
+                    self.decoding.insert(step.id, Instant::now());
                     self.decodes.push(step);
                 } else {
+                    self.decoding.remove(&step.id);
                     self.prefills.push_back(Prefill {
                         job: step,
                         done: 0,
@@ -245,6 +292,10 @@ impl Scheduler {
 
     /// Every waiting decode step, in batches of sessions that run the same layers.
     fn run_decodes(&mut self) {
+        if self.decodes.is_empty() {
+            return;
+        }
+        let started = Instant::now();
         let mut groups: HashMap<Range<usize>, Vec<(StepJob, SessionCache)>> = HashMap::new();
         for job in std::mem::take(&mut self.decodes) {
             let Some(cache) = self.caches.remove(&job.id) else {
@@ -265,6 +316,7 @@ impl Scheduler {
                 group = rest;
             }
         }
+        self.last_batch_time = started.elapsed();
     }
 
     fn run_batch(&mut self, mut batch: Vec<(StepJob, SessionCache)>) {

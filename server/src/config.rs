@@ -247,6 +247,11 @@ pub struct ServerArgs {
     /// (0.15: 15 %); `off` keeps them where they are.
     #[arg(long, env = "COROLLA_BALANCE_QUALITY", default_value = "0.15", value_parser = parse_balance_quality)]
     pub balance_quality: BalanceQuality,
+    /// How long a decode batch may wait for sessions that were decoding a
+    /// moment ago to send their next step (never more than a quarter of
+    /// the last batch's time).
+    #[arg(long, env = "COROLLA_MAX_BATCH_WAIT", default_value = "10ms", value_parser = parse_duration)]
+    pub max_batch_wait: Duration,
     /// Decode steps computed in one batched forward.
     #[arg(long, env = "COROLLA_MAX_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_batch: u32,
@@ -286,6 +291,7 @@ impl ServerArgs {
         crate::compute::ComputeSettings {
             max_chunk_tokens: self.max_chunk_tokens,
             max_batch: self.max_batch as usize,
+            max_batch_wait: self.max_batch_wait,
         }
     }
 
