@@ -60,14 +60,17 @@ prepare_libraries() {
         [ -e "$base" ] || ln -s "$(basename "$lib")" "$base"
     done
     mkdir -p "$home/lib/stubs"
-    if [ ! -e "$home/lib/stubs/libcuda.so" ]; then
+    if [ ! -e "$home/lib/stubs/libcuda.so" ] || ! grep -q 'return 100' "$cache/libcuda_stub.c" 2>/dev/null; then
         local sys
         sys=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/src" -path '*cudarc-0.19.*/src/driver/sys/mod.rs' | head -n1)
         [ -n "$sys" ] || { say "cudarc's sources are not in the cargo registry yet: run 'cargo fetch' first"; exit 1; }
         say "writing a stub libcuda.so from $sys"
-        grep -oE '^\s+fn cu[A-Za-z0-9_]+\(' "$sys" | sed -E 's/^\s+fn (cu[A-Za-z0-9_]+)\(/void \1(void) {}/' \
+        # Every entry point answers CUDA_ERROR_NO_DEVICE (100): run against
+        # the stub (a smoke test without a GPU), the binary says so cleanly.
+        grep -oE '^\s+fn cu[A-Za-z0-9_]+\(' "$sys" | sed -E 's/^\s+fn (cu[A-Za-z0-9_]+)\(/int \1(void) { return 100; }/' \
             | sort -u >"$cache/libcuda_stub.c"
         cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$home/lib/stubs/libcuda.so" "$cache/libcuda_stub.c"
+        ln -sf libcuda.so "$home/lib/stubs/libcuda.so.1"
     fi
 }
 

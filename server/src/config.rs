@@ -117,6 +117,14 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// A duration that may be zero (`0`, `0ms`: not at all).
+fn parse_wait(s: &str) -> Result<Duration, String> {
+    match s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim().parse::<f64>() {
+        Ok(0.0) => Ok(Duration::ZERO),
+        _ => parse_duration(s),
+    }
+}
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "corolla-server",
@@ -250,7 +258,7 @@ pub struct ServerArgs {
     /// How long a decode batch may wait for sessions that were decoding a
     /// moment ago to send their next step (never more than a quarter of
     /// the last batch's time).
-    #[arg(long, env = "COROLLA_MAX_BATCH_WAIT", default_value = "10ms", value_parser = parse_duration)]
+    #[arg(long, env = "COROLLA_MAX_BATCH_WAIT", default_value = "10ms", value_parser = parse_wait)]
     pub max_batch_wait: Duration,
     /// Decode steps computed in one batched forward.
     #[arg(long, env = "COROLLA_MAX_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -348,6 +356,18 @@ fn apply_config_file(path: &Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn waits_and_balance_qualities_parse() {
+        assert_eq!(parse_wait("0ms"), Ok(Duration::ZERO));
+        assert_eq!(parse_wait("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_wait("10ms"), Ok(Duration::from_millis(10)));
+        assert!(parse_wait("-1ms").is_err());
+        assert_eq!(parse_balance_quality("0.15"), Ok(BalanceQuality::Gain(0.15)));
+        assert_eq!(parse_balance_quality("OFF"), Ok(BalanceQuality::Off));
+        assert!(parse_balance_quality("15%").is_err());
+        assert!(parse_balance_quality("-0.1").is_err());
+    }
 
     #[test]
     fn block_ranges_and_durations_parse() {

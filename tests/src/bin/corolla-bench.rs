@@ -2,7 +2,7 @@
 //! servers on loopback, divided by the same generation in one process, in
 //! the same run. Writes its figures to BENCHMARKS.md.
 //!
-//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching] [--write FILE]`
+//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching | --only-swarm] [--write FILE]`
 
 use std::time::Duration;
 
@@ -218,8 +218,9 @@ async fn main() -> anyhow::Result<()> {
     let ratio = median(ratios);
     let per_hop_us = (1.0 / swarm - 1.0 / local) / servers_n as f64 * 1e6;
     let report = format!(
-        "## Swarm vs local (`corolla-bench`)\n\n\
-         Command: `bash scripts/bench.sh` (runs `corolla-bench --rounds {rounds} --new-tokens {new_tokens}`)\n\n\
+        "{SWARM_HEADING}\n\n\
+         Command: `bash scripts/bench.sh` (runs `corolla-bench --rounds {rounds} --new-tokens {new_tokens}`; \
+         this section alone: `corolla-bench --only-swarm --write BENCHMARKS.md`)\n\n\
          Random Llama: hidden {}, {} layers, {} heads, {} KV heads, FFN {}, vocab {}, f32, CPU. \
          Greedy generation of {new_tokens} tokens after a 16-token prompt; {servers_n} servers of {per} layers each \
          on loopback, in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n\
@@ -228,6 +229,13 @@ async fn main() -> anyhow::Result<()> {
          - added latency per hop: **{per_hop_us:.0} µs** per token\n",
         spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size
     );
+    if args.iter().any(|a| a == "--only-swarm") {
+        println!("{report}");
+        if let Some(file) = write_to {
+            write_section(&file, SWARM_HEADING, &report)?;
+        }
+        return Ok(());
+    }
     let recovery = bench_recovery(
         &node,
         &head,
@@ -614,6 +622,7 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
     ))
 }
 
+const SWARM_HEADING: &str = "## Swarm vs local (`corolla-bench`)";
 const BATCHING_HEADING: &str = "## One server, many sessions: continuous batching";
 
 /// The bench model as `write_random_checkpoint` makes it.
@@ -637,6 +646,7 @@ async fn bench_batching_of(
     model: &std::path::Path,
     new_tokens: usize,
     rounds: usize,
+    max_batch_wait: &str,
 ) -> anyhow::Result<(String, f64, f64)> {
     let ck = Checkpoint::open(model)?.with_quantized_weights(corolla_model::QuantizedWeights::Auto);
     let layers = ck.config().num_hidden_layers;
@@ -662,6 +672,7 @@ async fn bench_batching_of(
     .map(String::from)
     .to_vec();
     args.extend(["--update-period".into(), "30s".into()]);
+    args.extend(["--max-batch-wait".into(), max_batch_wait.into()]);
     let args = ServerArgs::from_args_and_file(args).map_err(anyhow::Error::msg)?;
     let server = Server::start(args).await?;
     let node = connect(&[server.tcp_addr().expect("tcp").clone()]).await?;
@@ -696,7 +707,7 @@ async fn bench_batching_of(
                 per_session.push(run.median_session_tokens_per_second());
             }
             eprintln!(
-                "{sessions} sessions, round {round}: {:.1} tok/s in all, {:.1} per session",
+                "{sessions} sessions (wait {max_batch_wait}), round {round}: {:.1} tok/s in all, {:.1} per session",
                 run.aggregate_tokens_per_second(),
                 run.median_session_tokens_per_second()
             );
@@ -721,16 +732,26 @@ async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<Stri
     let dir = tmp.path().join("random-llama");
     let spec = bench_spec();
     write_random_checkpoint(&dir, &spec)?;
-    let (rows, aggregate, per_session) = bench_batching_of(&dir, new_tokens, rounds).await?;
+    // Side by side in one run: batches that take what is waiting, and
+    // batches that wait (the default) for sessions that were decoding.
+    let (rows_now, aggregate_now, per_session_now) =
+        bench_batching_of(&dir, new_tokens, rounds, "0ms").await?;
+    let (rows, aggregate, per_session) =
+        bench_batching_of(&dir, new_tokens, rounds, "10ms").await?;
     let table = "| sessions | tokens/s in all | tokens/s per session (median) | decode steps per forward |\n|---|---|---|---|\n";
     let mut section = format!(
         "{BATCHING_HEADING}\n\n\
          Command: `corolla-bench --only-batching --rounds {rounds} --write BENCHMARKS.md` (also part of `bash scripts/bench.sh`).\n\n\
          One server holding all {} blocks of the bench model (random Llama: hidden {}, {} heads, {} KV heads, FFN {}, \
          vocab {}, f32, CPU); 1, 4 and 16 sessions at once, each {new_tokens} greedy tokens after its own 16-token \
-         prompt, clients in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n{table}{rows}\n\
+         prompt, clients in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n\
+         With `--max-batch-wait 10ms` (the default: a batch waits up to 10 ms, and at most a quarter of the last \
+         batch's time, for sessions that decoded during the last two batches):\n\n{table}{rows}\n\
          - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×** (target >= 8)\n\
-         - tokens/s per session, 16 sessions over 1: **{per_session:.2}×** (target >= 0.5)\n",
+         - tokens/s per session, 16 sessions over 1: **{per_session:.2}×** (target >= 0.5)\n\n\
+         With `--max-batch-wait 0ms` (a batch takes what is waiting), in the same run:\n\n{table}{rows_now}\n\
+         - tokens/s in all, 16 sessions over 1: **{aggregate_now:.2}×**\n\
+         - tokens/s per session, 16 sessions over 1: **{per_session_now:.2}×**\n",
         spec.num_layers,
         spec.hidden_size,
         spec.num_heads,
@@ -741,7 +762,7 @@ async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<Stri
     match corolla_tests::default_model() {
         Some(path) => {
             let (rows, aggregate, per_session) =
-                bench_batching_of(&path, new_tokens, rounds.min(2)).await?;
+                bench_batching_of(&path, new_tokens, rounds.min(2), "10ms").await?;
             section.push_str(&format!(
                 "\nThe same with the default model (SmolLM2-135M-Instruct, all 30 blocks on one server, \
                  dequantized to f32), medians of {} rounds:\n\n{table}{rows}\n\
