@@ -6,8 +6,8 @@
 # ~/.cache/corolla/cuda (override with COROLLA_CUDA_CACHE). Never run by CI.
 #
 #   scripts/cuda.sh              build (idempotent; a warm rebuild takes seconds)
-#   scripts/cuda.sh --stage DIR  build, then copy corolla-gpu-check (stripped)
-#                                into DIR for the device tool to carry
+#   scripts/cuda.sh --stage DIR  build, then put corolla-gpu-check (stripped,
+#                                xz-compressed) into DIR for the device tool to carry
 #   scripts/cuda.sh --env        print the environment a shell needs to run it
 #
 # The binaries land in $COROLLA_CUDA_CACHE/target/release: corolla-server and
@@ -105,7 +105,12 @@ say "in $(( $(date +%s) - started )) s"
 if [ "${1:-}" = "--stage" ]; then
     stage="${2:?--stage needs a folder}"
     mkdir -p "$stage"
-    cp "$CARGO_TARGET_DIR/release/corolla-gpu-check" "$stage/"
-    strip "$stage/corolla-gpu-check"
-    say "staged $stage/corolla-gpu-check ($(du -h "$stage/corolla-gpu-check" | cut -f1))"
+    # Stripped it is ~77 MB, over what the device tool carries (64 MiB);
+    # compressed ~13 MB. gpu-check.sh unpacks it there.
+    tmp="$(mktemp)"
+    cp "$CARGO_TARGET_DIR/release/corolla-gpu-check" "$tmp"
+    strip "$tmp"
+    xz -T0 -6 -c "$tmp" >"$stage/corolla-gpu-check.xz"
+    rm -f "$tmp" "$stage/corolla-gpu-check"
+    say "staged $stage/corolla-gpu-check.xz ($(du -h "$stage/corolla-gpu-check.xz" | cut -f1))"
 fi

@@ -5,7 +5,7 @@
 #   here:   bash scripts/cuda.sh --stage gpu-bin     # build, copy the binary into gpu-bin/
 #   device: run(command="bash scripts/gpu-check.sh", carry=["gpu-bin"], timeout_s=540)
 #
-# It reuses gpu-bin/corolla-gpu-check (or $COROLLA_GPU_CHECK), or builds it
+# It reuses gpu-bin/corolla-gpu-check(.xz) (or $COROLLA_GPU_CHECK), or builds it
 # when that machine has cargo and nvcc. The report (Markdown) goes to
 # $OUT/gpu-check.md and stdout: golden tokens on --device cuda (f32), f16/bf16
 # logits against f32, batched decode, and a Llama-2-70B-shaped span's decode
@@ -14,6 +14,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bin="${COROLLA_GPU_CHECK:-gpu-bin/corolla-gpu-check}"
+if [ ! -x "$bin" ] && [ -f "$bin.xz" ]; then
+    unpacked="${TMPDIR:-/tmp}/corolla-gpu-check"
+    if command -v xz >/dev/null; then
+        xz -dc "$bin.xz" >"$unpacked"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$bin.xz" "$unpacked"
+    fi
+    chmod +x "$unpacked"
+    bin="$unpacked"
+fi
 if [ ! -x "$bin" ]; then
     if command -v cargo >/dev/null && command -v nvcc >/dev/null; then
         echo "[gpu-check] no binary at $bin: building it" >&2

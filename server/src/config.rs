@@ -119,7 +119,12 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 /// A duration that may be zero (`0`, `0ms`: not at all).
 fn parse_wait(s: &str) -> Result<Duration, String> {
-    match s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim().parse::<f64>() {
+    match s
+        .trim()
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        .trim()
+        .parse::<f64>()
+    {
         Ok(0.0) => Ok(Duration::ZERO),
         _ => parse_duration(s),
     }
@@ -363,7 +368,10 @@ mod tests {
         assert_eq!(parse_wait("0"), Ok(Duration::ZERO));
         assert_eq!(parse_wait("10ms"), Ok(Duration::from_millis(10)));
         assert!(parse_wait("-1ms").is_err());
-        assert_eq!(parse_balance_quality("0.15"), Ok(BalanceQuality::Gain(0.15)));
+        assert_eq!(
+            parse_balance_quality("0.15"),
+            Ok(BalanceQuality::Gain(0.15))
+        );
         assert_eq!(parse_balance_quality("OFF"), Ok(BalanceQuality::Off));
         assert!(parse_balance_quality("15%").is_err());
         assert!(parse_balance_quality("-0.1").is_err());
