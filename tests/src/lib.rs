@@ -439,3 +439,28 @@ pub async fn concurrent_generations(
         wall_time: started.elapsed(),
     })
 }
+
+/// A greedy request for `max_new_tokens` after `prompt_ids`, past any end of sequence.
+pub fn greedy(prompt_ids: Vec<u32>, max_new_tokens: usize) -> corolla_client::GenerateRequest {
+    corolla_client::GenerateRequest {
+        prompt_ids,
+        max_new_tokens,
+        sampling: corolla_model::SamplingParams::greedy(),
+        stop_at_eos: false,
+    }
+}
+
+/// The benchmarks' random Llama: hidden 512, 8 layers, 8 heads, 4 KV heads,
+/// FFN 1376, vocab 4096.
+pub fn bench_spec() -> corolla_model::random::RandomSpec {
+    corolla_model::random::RandomSpec {
+        hidden_size: 512,
+        num_layers: 8,
+        num_heads: 8,
+        num_kv_heads: 4,
+        intermediate_size: 1376,
+        vocab_size: 4096,
+        max_positions: 1024,
+        seed: 7,
+    }
+}

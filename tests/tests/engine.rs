@@ -15,17 +15,9 @@ use corolla_shared::protocol::{ErrorCode, OpenRequest, Request};
 use corolla_shared::WireDType;
 use corolla_tests::hostile::{exchange, open_stream};
 use corolla_tests::{
-    concurrent_generations, generate_local, start_model_server, start_server, tiny_llama, Golden,
+    concurrent_generations, generate_local, greedy, start_model_server, start_server, tiny_llama,
+    Golden,
 };
-
-fn greedy(prompt_ids: Vec<u32>, max_new_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt_ids,
-        max_new_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_at_eos: false,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_sessions_are_batched_and_give_the_tokens_of_each_alone() {

@@ -13,7 +13,7 @@ use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingPa
 use corolla_server::RunningServer;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::WireDType;
-use corolla_tests::{corolla_bin, start_server, tiny_llama, Golden};
+use corolla_tests::{corolla_bin, greedy, start_server, tiny_llama, Golden};
 
 const SPANS: [&str; 3] = ["0:1", "1:3", "3:4"];
 
@@ -94,12 +94,7 @@ async fn answer_through_six(
     let servers = Arc::new(Mutex::new(six_servers(slow_ms).await));
     let boot = addr(&servers.lock().unwrap()[0]);
     let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let request = GenerateRequest {
-        prompt_ids: prompt.input_ids.clone(),
-        max_new_tokens: 32,
-        sampling: SamplingParams::greedy(),
-        stop_at_eos: false,
-    };
+    let request = greedy(prompt.input_ids.clone(), 32);
     let chain = chain_covering(&node, settings(request.max_length()), 6).await;
     let victim = chain
         .route()
@@ -554,12 +549,7 @@ async fn stall_after_signal(signal: &'static str) -> Duration {
         .unwrap()
     };
     let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let request = GenerateRequest {
-        prompt_ids: prompt.input_ids.clone(),
-        max_new_tokens: 32,
-        sampling: SamplingParams::greedy(),
-        stop_at_eos: false,
-    };
+    let request = greedy(prompt.input_ids.clone(), 32);
     let mut settings = settings(request.max_length());
     // What a client waits for a step before it gives a silent server up.
     settings.timeout = Duration::from_secs(3);

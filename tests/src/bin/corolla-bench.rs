@@ -9,7 +9,7 @@ use std::time::Duration;
 use corolla_client::network::connect;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::block_hashes;
-use corolla_model::random::{write_random_checkpoint, RandomSpec};
+use corolla_model::random::write_random_checkpoint;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::{RunningServer, Server, ServerArgs};
 use corolla_shared::WireDType;
@@ -126,7 +126,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let servers_n = 4;
-    let spec = bench_spec();
+    let spec = corolla_tests::bench_spec();
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("random-llama");
     write_random_checkpoint(&dir, &spec)?;
@@ -625,20 +625,6 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
 const SWARM_HEADING: &str = "## Swarm vs local (`corolla-bench`)";
 const BATCHING_HEADING: &str = "## One server, many sessions: continuous batching";
 
-/// The bench model as `write_random_checkpoint` makes it.
-fn bench_spec() -> RandomSpec {
-    RandomSpec {
-        hidden_size: 512,
-        num_layers: 8,
-        num_heads: 8,
-        num_kv_heads: 4,
-        intermediate_size: 1376,
-        vocab_size: 4096,
-        max_positions: 1024,
-        seed: 7,
-    }
-}
-
 /// One server holding every block of `model`; 1, 4 and 16 sessions at once,
 /// each `new_tokens` greedy tokens after its own 16-token prompt. Returns a
 /// table row per session count and the two ratios of 16 over 1.
@@ -730,7 +716,7 @@ async fn bench_batching_of(
 async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<String> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("random-llama");
-    let spec = bench_spec();
+    let spec = corolla_tests::bench_spec();
     write_random_checkpoint(&dir, &spec)?;
     // Side by side in one run: batches that take what is waiting, and
     // batches that wait (the default) for sessions that were decoding.

@@ -20,9 +20,9 @@ use corolla_client::network::connect;
 use corolla_client::{GenerateRequest, SessionSettings};
 use corolla_model::fingerprint::block_hashes;
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
-use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams, Tensor};
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, Tensor};
 use corolla_shared::WireDType;
-use corolla_tests::{concurrent_generations, relative_l2, Golden};
+use corolla_tests::{bench_spec, concurrent_generations, greedy, relative_l2, Golden};
 
 /// The H200's memory bandwidth, for the floor of a memory-bound step.
 const BANDWIDTH_BYTES_PER_S: f64 = 4.0e12;
@@ -99,15 +99,6 @@ fn main() -> Result<()> {
         bail!("failed: {}", failed.join(", "));
     }
     Ok(())
-}
-
-fn greedy(prompt_ids: Vec<u32>, max_new_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt_ids,
-        max_new_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_at_eos: false,
-    }
 }
 
 /// The golden prompts through a server on the GPU (f32), client on the CPU.
@@ -216,16 +207,7 @@ fn time_steps(
 /// Decode steps of 1, 4 and 16 sessions of the bench model in one batched
 /// forward each, f32 and f16.
 fn batched_decode(gpu: &Device) -> Result<String> {
-    let spec = RandomSpec {
-        hidden_size: 512,
-        num_layers: 8,
-        num_heads: 8,
-        num_kv_heads: 4,
-        intermediate_size: 1376,
-        vocab_size: 4096,
-        max_positions: 1024,
-        seed: 7,
-    };
+    let spec = bench_spec();
     let dir = tempfile::tempdir()?;
     write_random_checkpoint(dir.path(), &spec)?;
     let ck = Checkpoint::open(dir.path())?;
