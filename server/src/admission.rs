@@ -66,6 +66,14 @@ impl Quota {
     pub fn in_use(&self) -> usize {
         self.held().total
     }
+
+    /// Waits until nothing is held or `deadline` passes; what is still held.
+    pub async fn drained_by(&self, deadline: tokio::time::Instant) -> usize {
+        while self.in_use() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        self.in_use()
+    }
 }
 
 /// One place held by one peer.

@@ -117,15 +117,10 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// A duration that may be zero (`0`, `0ms`: not at all).
+/// A duration that may be zero (`0`, `0ms`, `0s`: not at all).
 fn parse_wait(s: &str) -> Result<Duration, String> {
-    match s
-        .trim()
-        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
-        .trim()
-        .parse::<f64>()
-    {
-        Ok(0.0) => Ok(Duration::ZERO),
+    match s.trim() {
+        "0" | "0ms" | "0s" => Ok(Duration::ZERO),
         _ => parse_duration(s),
     }
 }

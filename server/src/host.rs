@@ -190,8 +190,16 @@ impl SpanHost {
     }
 
     pub fn blocks(&self) -> (usize, usize) {
-        let r = self.record();
-        (r.start as usize, r.end as usize)
+        match self.ctx() {
+            Some(ctx) => {
+                let range = ctx.core.span().range();
+                (range.start, range.end)
+            }
+            None => {
+                let r = self.last_record.lock().unwrap_or_else(|p| p.into_inner());
+                (r.start as usize, r.end as usize)
+            }
+        }
     }
 
     /// Takes the span out of service: new streams are refused from now on.

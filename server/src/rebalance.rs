@@ -79,10 +79,9 @@ impl Rebalancer {
         }
         if let Some(old) = self.host.put_down() {
             old.tell_sessions_to_leave();
-            let deadline = tokio::time::Instant::now() + self.drain_timeout;
-            while self.sessions.in_use() > 0 && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            self.sessions
+                .drained_by(tokio::time::Instant::now() + self.drain_timeout)
+                .await;
             // The old span's memory is given back before the new one is loaded.
             drop(old);
         }

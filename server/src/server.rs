@@ -122,10 +122,7 @@ impl RunningServer {
             tracing::debug!(error = %e, "could not tell the DHT");
         }
         let deadline = started + self.drain_timeout;
-        while self.sessions.in_use() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let left = self.sessions.in_use();
+        let left = self.sessions.drained_by(deadline).await;
         if left > 0 {
             tracing::warn!(
                 sessions = left,
