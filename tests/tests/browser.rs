@@ -10,7 +10,7 @@
 
 use std::path::Path;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_tests::browser::{
@@ -272,14 +272,44 @@ fn chat_page_renders_markdown_regenerates_edits_and_keeps_the_conversation() {
     );
 }
 
-fn live_sessions(http: &str) -> u64 {
-    ureq::get(&format!("{http}/api/status"))
+/// A server's open sessions and the decode steps it has computed.
+fn session_load(http: &str) -> (u64, u64) {
+    let status = ureq::get(&format!("{http}/api/status"))
         .timeout(Duration::from_secs(5))
         .call()
         .ok()
         .and_then(|r| r.into_json::<Value>().ok())
-        .and_then(|v| v["sessions"].as_u64())
-        .unwrap_or(0)
+        .unwrap_or_default();
+    (
+        status["sessions"].as_u64().unwrap_or(0),
+        status["compute"]["decode_steps"].as_u64().unwrap_or(0),
+    )
+}
+
+/// The replica that carries the page's answer: the page spot-checks a
+/// sampled step on the other replica, whose witness session then stays
+/// open too, so an open session alone does not tell them apart. The one in
+/// use is the one that decodes every token.
+fn replica_in_use(replicas: &[String]) -> Option<usize> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let load: Vec<(u64, u64)> = replicas.iter().map(|r| session_load(r)).collect();
+        let busiest = (0..load.len())
+            .filter(|&i| load[i].0 > 0)
+            .max_by_key(|&i| load[i].1);
+        if let Some(i) = busiest {
+            let others_max = (0..load.len())
+                .filter(|&j| j != i)
+                .map(|j| load[j].1)
+                .max()
+                .unwrap_or(0);
+            if load[i].1 > others_max {
+                return Some(i);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
 }
 
 #[test]
@@ -313,8 +343,7 @@ fn page_recovers_when_the_server_in_use_is_killed() {
             "^WebSocket connection to '[^']+' failed: Error in connection establishment",
         ],
         || {
-            let in_use = replicas.iter().position(|r| live_sessions(r) > 0);
-            if let Some(i) = in_use {
+            if let Some(i) = replica_in_use(&replicas) {
                 swarm.servers[i + 1].kill();
                 killed = Some(i + 1);
             }
