@@ -38,6 +38,8 @@ pub enum ModelError {
     },
     #[error("a decode batch takes one position per session, all through the same layers")]
     BatchMismatch,
+    #[error("a KV cache tensor is not in the contiguous CPU f32 layout the decode kernel reads")]
+    CacheLayout,
     #[error("position {end} exceeds the session's KV cache of {capacity} tokens")]
     CacheFull { end: usize, capacity: usize },
     #[error("start position {start} is past the {cached} tokens already in the cache")]

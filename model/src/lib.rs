@@ -11,6 +11,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+mod decode_attention;
 pub mod dtype;
 mod error;
 pub mod fingerprint;

@@ -9,16 +9,16 @@ use crate::error::Result;
 
 #[derive(Debug, Clone)]
 pub(crate) enum Linear {
-    /// The weight kept transposed (`[in, out]`, contiguous): candle's CPU
-    /// matmul against a transposed view is several times slower once more
-    /// than one row comes in, which is every batched decode step.
+    /// The weight as stored (`[out, in]`), multiplied through a transposed
+    /// view. With the weights streaming from memory (a span is far larger
+    /// than the caches) this layout is the fast one for a batch of rows:
+    /// measured on 2 cores, 16 rows through a 512x1376 projection cost
+    /// 0.58 ms against 1.36 ms with a contiguous `[in, out]` copy, at the
+    /// price of 0.37 ms against 0.32 ms for a single row.
     Dense {
-        weight_t: Tensor,
+        weight: Tensor,
         bias: Option<Tensor>,
     },
-    /// A weight also used elsewhere (tied embeddings), multiplied through a
-    /// transposed view so that it is not copied.
-    Shared(candle_nn::Linear),
     Quantized {
         weight: QMatMul,
         bias: Option<Tensor>,
@@ -27,15 +27,12 @@ pub(crate) enum Linear {
 
 impl Linear {
     pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Linear::Dense {
-            weight_t: weight.t()?.contiguous()?,
-            bias,
-        })
+        Ok(Linear::Dense { weight, bias })
     }
 
-    /// A projection by `weight` without a transposed copy of it.
+    /// A projection by `weight`, which is also used elsewhere (tied embeddings).
     pub fn shared(weight: Tensor) -> Self {
-        Linear::Shared(candle_nn::Linear::new(weight, None))
+        Linear::Dense { weight, bias: None }
     }
 
     pub fn quantized(weight: QTensor, bias: Option<Tensor>) -> Result<Self> {
@@ -60,15 +57,15 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Linear::Dense { weight_t, bias } => {
+            Linear::Dense { weight, bias } => {
                 // All leading dimensions as rows of one matrix product.
                 let dims = x.dims();
                 let in_dim = dims.last().copied().unwrap_or(0);
                 let rows = x.elem_count() / in_dim.max(1);
-                let y = x.reshape((rows, in_dim))?.matmul(weight_t)?;
+                let y = x.reshape((rows, in_dim))?.matmul(&weight.t()?)?;
                 let mut out_dims = dims.to_vec();
                 if let Some(last) = out_dims.last_mut() {
-                    *last = weight_t.dim(1)?;
+                    *last = weight.dim(0)?;
                 }
                 let y = y.reshape(out_dims)?;
                 Ok(match bias {
@@ -76,7 +73,6 @@ impl Linear {
                     None => y,
                 })
             }
-            Linear::Shared(l) => Ok(l.forward(x)?),
             Linear::Quantized { weight, bias } => {
                 // The quantized kernels take f32 activations.
                 let dtype = x.dtype();

@@ -8,6 +8,7 @@ use candle_nn::RmsNorm;
 
 use crate::checkpoint::{Checkpoint, Weights};
 use crate::config::LlamaConfig;
+use crate::decode_attention::{self, HeadShape};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::rope::Rope;
@@ -95,6 +96,21 @@ impl Attention {
         let q = rope.apply_rows(&heads(&self.q_proj, nh)?, rotation)?;
         let k = rope.apply_rows(&heads(&self.k_proj, nkv)?, rotation)?;
         let v = heads(&self.v_proj, nkv)?;
+        if decode_attention::supported(q.dtype(), q.device()) {
+            for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
+                cache.keys.slice_set(&k.narrow(0, i, 1)?, 2, start)?;
+                cache.values.slice_set(&v.narrow(0, i, 1)?, 2, start)?;
+            }
+            let keys: Vec<&Tensor> = caches.iter().map(|c| &c.keys).collect();
+            let values: Vec<&Tensor> = caches.iter().map(|c| &c.values).collect();
+            let shape = HeadShape {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+            };
+            let out = decode_attention::attend(&q, &keys, &values, starts, shape)?;
+            return self.o_proj.forward(&out);
+        }
         let mut rows = Vec::with_capacity(b);
         for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
             let row = |t: &Tensor| t.narrow(0, i, 1);

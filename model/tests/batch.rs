@@ -8,12 +8,16 @@ use corolla_model::{BlockSpan, Checkpoint, DType, Device, SessionCache, Tensor};
 const HIDDEN: usize = 64;
 
 fn span() -> BlockSpan {
+    span_with_kv_heads(2)
+}
+
+fn span_with_kv_heads(num_kv_heads: usize) -> BlockSpan {
     let dir = tempfile::tempdir().unwrap();
     let spec = RandomSpec {
         hidden_size: HIDDEN,
         num_layers: 3,
         num_heads: 8,
-        num_kv_heads: 2,
+        num_kv_heads,
         intermediate_size: 96,
         vocab_size: 32,
         max_positions: 256,
@@ -69,11 +73,17 @@ fn prefilled(span: &BlockSpan, lengths: &[usize]) -> Vec<SessionCache> {
 
 #[test]
 fn a_batched_decode_step_equals_each_step_alone() {
-    let span = span();
+    // Grouped-query heads (8 over 2) and one KV head per query head.
+    for kv_heads in [2, 8] {
+        batched_equals_alone(&span_with_kv_heads(kv_heads));
+    }
+}
+
+fn batched_equals_alone(span: &BlockSpan) {
     // Ragged histories: each session at its own position.
     let lengths = [1, 5, 12, 30, 2];
-    let mut alone = prefilled(&span, &lengths);
-    let mut batched = prefilled(&span, &lengths);
+    let mut alone = prefilled(span, &lengths);
+    let mut batched = prefilled(span, &lengths);
     for round in 0..4u64 {
         let inputs: Vec<Tensor> = (0..lengths.len())
             .map(|i| hidden(1, 100 + round * 10 + i as u64))

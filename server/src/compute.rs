@@ -324,9 +324,6 @@ impl Scheduler {
         let _span = tracing::debug_span!("decode_batch", size).entered();
         let span = &self.span;
         let outputs = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<Tensor>, ModelError> {
-            if let [(job, cache)] = batch.as_mut_slice() {
-                return Ok(vec![span.forward(&job.input, job.start, cache)?]);
-            }
             let mut steps: Vec<(Tensor, usize, &mut SessionCache)> = batch
                 .iter_mut()
                 .map(|(job, cache)| (job.input.clone(), job.start, cache))
