@@ -20,7 +20,18 @@ if clippy_driver=$(rustup which clippy-driver 2>/dev/null) || clippy_driver=$(co
 fi
 unset clippy_driver
 
+# Every change to a crate leaves a new hash-named test binary (hundreds of MB)
+# in the shared cache, and cargo never removes the old ones: over many
+# sessions they filled the disk and a link died of SIGBUS. Binaries not
+# relinked for two days go (cargo relinks any it still needs).
+prune_build_cache() {
+    local deps="$CARGO_TARGET_DIR/debug/deps"
+    [ -d "$deps" ] || return 0
+    find "$deps" -maxdepth 1 -type f -executable ! -name '*.so' -mtime +2 -delete 2>/dev/null || true
+}
+
 # The one native build every script uses: all crates, binaries and tests.
 shared_build() {
+    prune_build_cache
     cargo test --workspace --no-run --locked "$@"
 }
