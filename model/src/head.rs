@@ -38,11 +38,11 @@ impl ClientHead {
         // Tied: the dense embeddings are at hand, and multiplying by them
         // costs no memory and no activation quantization.
         let lm_head = if head_name == EMBED_TOKENS {
-            Linear::shared(embeddings.clone())
+            Linear::dense(embeddings.clone(), None)
         } else {
             match w.get_quantized(head_name, &[v, h])? {
                 Some(q) => Linear::quantized(q, None)?,
-                None => Linear::dense(w.get(head_name, &[v, h])?, None)?,
+                None => Linear::dense(w.get(head_name, &[v, h])?, None),
             }
         };
         Ok(ClientHead {

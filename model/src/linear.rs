@@ -26,13 +26,10 @@ pub(crate) enum Linear {
 }
 
 impl Linear {
-    pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Linear::Dense { weight, bias })
-    }
-
-    /// A projection by `weight`, which is also used elsewhere (tied embeddings).
-    pub fn shared(weight: Tensor) -> Self {
-        Linear::Dense { weight, bias: None }
+    /// A projection by `weight` as stored; tied heads pass the embeddings'
+    /// tensor, which is then shared, not copied.
+    pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear::Dense { weight, bias }
     }
 
     pub fn quantized(weight: QTensor, bias: Option<Tensor>) -> Result<Self> {
@@ -51,7 +48,7 @@ impl Linear {
         };
         match w.get_quantized("weight", &[out_dim, in_dim])? {
             Some(q) => Self::quantized(q, bias),
-            None => Self::dense(w.get("weight", &[out_dim, in_dim])?, bias),
+            None => Ok(Self::dense(w.get("weight", &[out_dim, in_dim])?, bias)),
         }
     }
 
