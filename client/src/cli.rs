@@ -55,6 +55,26 @@ enum Command {
     FetchModel,
     /// Serve an OpenAI-compatible HTTP API in front of a swarm or a local model.
     Api(ApiArgs),
+    /// Write a GGUF model with a real 70B-class shape and random weights (for tests and benchmarks).
+    RandomModel(RandomModelArgs),
+}
+
+#[derive(Args, Debug)]
+struct RandomModelArgs {
+    /// llama-2-70b, llama-3-70b or qwen2.5-72b.
+    #[arg(long)]
+    shape: corolla_model::random_gguf::ModelShape,
+    /// Decoder blocks: the real model's layer shape on a short stack.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// Weight matrices' type: q4_k, q8_0 or f16.
+    #[arg(long, default_value = "q4_k")]
+    quant: corolla_model::random_gguf::WeightQuant,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The GGUF file to write (replaced if it exists).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -256,7 +276,37 @@ pub fn run() -> Result<()> {
             Ok(())
         }
         Command::Api(args) => runtime()?.block_on(run_api(args)),
+        Command::RandomModel(args) => run_random_model(args),
     }
+}
+
+fn run_random_model(args: RandomModelArgs) -> Result<()> {
+    use corolla_model::random_gguf::{write_random_gguf, RandomGguf};
+    if args.layers == 0 {
+        bail!("--layers must be at least 1");
+    }
+    let spec = RandomGguf::new(args.shape, args.layers, args.quant, args.seed);
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(spec.name.clone());
+    write_random_gguf(&args.out, &spec, |written, total| {
+        bar.set_length(total);
+        bar.set_position(written);
+    })
+    .with_context(|| format!("cannot write {}", args.out.display()))?;
+    bar.finish_and_clear();
+    let size = std::fs::metadata(&args.out).map(|m| m.len()).unwrap_or(0);
+    eprintln!(
+        "wrote {} ({} layers of {}, {:?}): {:.2} GB",
+        args.out.display(),
+        args.layers,
+        args.shape.name(),
+        args.quant,
+        size as f64 / 1e9
+    );
+    Ok(())
 }
 
 async fn run_api(args: ApiArgs) -> Result<()> {

@@ -16,6 +16,16 @@ use crate::error::ClientError;
 /// Llama 3's split (`llama-bpe` in llama.cpp).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Qwen2's split (`qwen2` in llama.cpp): as Llama 3's, but digits one by one.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn split_then_bytes(pattern: &str) -> Value {
+    json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        byte_level(false),
+    ]})
+}
+
 fn byte_level(use_regex: bool) -> Value {
     json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
 }
@@ -31,14 +41,12 @@ fn gpt2_pre_tokenizer(pre: Option<&str>) -> Result<Value, ClientError> {
                 byte_level(true),
             ]})
         }
-        "llama-bpe" | "llama3" | "falcon3" => json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
-            byte_level(false),
-        ]}),
+        "llama-bpe" | "llama3" | "falcon3" => split_then_bytes(LLAMA3_SPLIT),
+        "qwen2" => split_then_bytes(QWEN2_SPLIT),
         other => {
             return Err(ClientError::Tokenizer(format!(
                 "GGUF pre-tokenizer {other:?} is not supported \
-                 (supported: default, smollm and its kin, llama-bpe)"
+                 (supported: default, smollm and its kin, llama-bpe, qwen2)"
             )))
         }
     })

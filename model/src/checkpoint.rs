@@ -344,7 +344,8 @@ impl Checkpoint {
 
     /// How Q and K rows are laid out for rotary embeddings.
     pub fn rope_layout(&self) -> RopeLayout {
-        if self.is_gguf() {
+        // llama.cpp permutes Q and K only for its `llama` architecture.
+        if self.is_gguf() && self.config.family != crate::config::Family::Qwen2 {
             RopeLayout::Interleaved
         } else {
             RopeLayout::Halves

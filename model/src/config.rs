@@ -19,11 +19,65 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// Every inverse frequency divided by its own factor: GGUF's
+    /// `rope_freqs` tensor, which is how llama.cpp stores llama3 scaling.
+    Divisors(Vec<f64>),
+}
+
+/// The Llama-shaped families Corolla runs: the same decoder, with their
+/// own names, biases and rotary layout in GGUF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Family {
+    Llama,
+    /// As Llama, plus sliding-window attention when the config sets one.
+    Mistral,
+    /// Biases on the Q, K and V projections (not on the output one).
+    Qwen2,
+}
+
+impl Family {
+    const ALL: [Family; 3] = [Family::Llama, Family::Mistral, Family::Qwen2];
+
+    /// The transformers class name.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// transformers' `model_type`, which is also llama.cpp's GGUF architecture name.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+        }
+    }
+
+    pub fn from_architecture(name: &str) -> Option<Family> {
+        Self::ALL.into_iter().find(|f| f.architecture() == name)
+    }
+
+    pub fn from_model_type(name: &str) -> Option<Family> {
+        Self::ALL.into_iter().find(|f| f.model_type() == name)
+    }
+
+    /// What an error about an unsupported architecture lists.
+    pub fn supported() -> String {
+        Self::ALL
+            .iter()
+            .map(|f| f.architecture())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// The validated configuration of a Llama-family model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
+    pub family: Family,
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
@@ -36,8 +90,14 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
     pub tie_word_embeddings: bool,
+    /// Biases on all four attention projections (Llama's `attention_bias`).
     pub attention_bias: bool,
+    /// Biases on the Q, K and V projections only (Qwen2).
+    pub qkv_bias: bool,
     pub mlp_bias: bool,
+    /// Each position attends to at most this many positions (itself
+    /// included); `None`: to every earlier one.
+    pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// The dtype the checkpoint was saved in, as transformers names it.
@@ -67,8 +127,13 @@ struct RawConfig {
     tie_word_embeddings: bool,
     #[serde(default)]
     attention_bias: bool,
+    /// Corolla's own key (what `to_hf_json` writes); Qwen2 implies it.
+    qkv_bias: Option<bool>,
     #[serde(default)]
     mlp_bias: bool,
+    sliding_window: Option<usize>,
+    /// Qwen2 keeps `sliding_window` in its config but uses it only when this is set.
+    use_sliding_window: Option<bool>,
     hidden_act: Option<String>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
@@ -93,6 +158,7 @@ struct RawRope {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
+    divisors: Option<Vec<f64>>,
 }
 
 fn default_max_positions() -> usize {
@@ -103,7 +169,9 @@ fn default_eps() -> f64 {
     1e-6
 }
 
-const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM"];
+/// The rope type under which `config.json` carries [`RopeScaling::Divisors`]
+/// (Corolla's own: transformers has no such type).
+const CUSTOM_DIVISORS: &str = "corolla_divisors";
 
 /// The most positions a model may declare (4 Mi; Llama 3.1 has 128 Ki).
 pub const MAX_POSITIONS: usize = 1 << 22;
@@ -117,14 +185,25 @@ impl LlamaConfig {
         let q = (self.num_attention_heads * self.head_dim) as u64;
         let kv = (self.num_key_value_heads * self.head_dim) as u64;
         let attention = h * q + 2 * h * kv + q * h;
-        let attention_bias = if self.attention_bias {
-            q + 2 * kv + h
-        } else {
-            0
-        };
+        let attention_bias = self.attention_bias_parameters();
         let mlp = 3 * h * i;
         let mlp_bias = if self.mlp_bias { 2 * i + h } else { 0 };
         attention + attention_bias + mlp + mlp_bias + 2 * h
+    }
+
+    fn attention_bias_parameters(&self) -> u64 {
+        let q = (self.num_attention_heads * self.head_dim) as u64;
+        let kv = (self.num_key_value_heads * self.head_dim) as u64;
+        match (self.attention_bias, self.qkv_bias) {
+            (true, _) => q + 2 * kv + self.hidden_size as u64,
+            (false, true) => q + 2 * kv,
+            (false, false) => 0,
+        }
+    }
+
+    /// Whether the Q, K and V projections have biases.
+    pub fn has_qkv_bias(&self) -> bool {
+        self.attention_bias || self.qkv_bias
     }
 
     /// Bytes of KV cache one position costs in one block, in `dtype_bytes` per value.
@@ -152,9 +231,7 @@ impl LlamaConfig {
         let q = (self.num_attention_heads * self.head_dim) as u64;
         let kv = (self.num_key_value_heads * self.head_dim) as u64;
         let mut layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
-        if self.attention_bias {
-            layer += q + 2 * kv + h;
-        }
+        layer += self.attention_bias_parameters();
         if self.mlp_bias {
             layer += 2 * i + h;
         }
@@ -187,10 +264,13 @@ impl LlamaConfig {
                 "high_freq_factor": high_freq_factor,
                 "original_max_position_embeddings": original_max_position_embeddings,
             }),
+            RopeScaling::Divisors(ref divisors) => {
+                serde_json::json!({"rope_type": CUSTOM_DIVISORS, "divisors": divisors})
+            }
         };
         serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.family.architecture()],
+            "model_type": self.family.model_type(),
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -205,7 +285,10 @@ impl LlamaConfig {
             "rope_scaling": rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
+            "qkv_bias": self.qkv_bias,
             "mlp_bias": self.mlp_bias,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window.is_some(),
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids,
             "torch_dtype": self.torch_dtype,
@@ -213,20 +296,21 @@ impl LlamaConfig {
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self> {
-        match (&raw.architectures, &raw.model_type) {
+        let family = match (&raw.architectures, &raw.model_type) {
             (Some(archs), _) if !archs.is_empty() => {
-                if let Some(bad) = archs
-                    .iter()
-                    .find(|a| !SUPPORTED_ARCHITECTURES.contains(&a.as_str()))
-                {
-                    return Err(ModelError::UnsupportedArchitecture(bad.clone()));
+                let families: Vec<Option<Family>> =
+                    archs.iter().map(|a| Family::from_architecture(a)).collect();
+                match families.iter().position(Option::is_none) {
+                    Some(bad) => {
+                        return Err(ModelError::UnsupportedArchitecture(archs[bad].clone()))
+                    }
+                    None => families[0].unwrap_or(Family::Llama),
                 }
             }
-            (_, Some(mt)) if mt != "llama" => {
-                return Err(ModelError::UnsupportedArchitecture(mt.clone()))
-            }
-            _ => {}
-        }
+            (_, Some(mt)) => Family::from_model_type(mt)
+                .ok_or_else(|| ModelError::UnsupportedArchitecture(mt.clone()))?,
+            _ => Family::Llama,
+        };
         if let Some(act) = raw.hidden_act.as_deref() {
             if act != "silu" {
                 return Err(ModelError::InvalidConfig(format!(
@@ -300,12 +384,31 @@ impl LlamaConfig {
             Some(r) => parse_rope_scaling(r, raw.max_position_embeddings)?,
         };
 
+        // Qwen2 configs carry a window they do not use unless told to.
+        let sliding_window = match family {
+            Family::Qwen2 if raw.use_sliding_window != Some(true) => None,
+            _ if raw.use_sliding_window == Some(false) => None,
+            _ => raw.sliding_window,
+        };
+        if sliding_window == Some(0) {
+            return invalid("sliding_window must be positive".into());
+        }
+        if let RopeScaling::Divisors(d) = &rope_scaling {
+            if d.len() != head_dim / 2 {
+                return invalid(format!(
+                    "{} rope divisors for head_dim {head_dim} (need {})",
+                    d.len(),
+                    head_dim / 2
+                ));
+            }
+        }
         let eos_token_ids = match raw.eos_token_id {
             None => Vec::new(),
             Some(OneOrMany::One(id)) => vec![id],
             Some(OneOrMany::Many(ids)) => ids,
         };
         Ok(LlamaConfig {
+            family,
             hidden_size: raw.hidden_size,
             intermediate_size: raw.intermediate_size,
             num_hidden_layers: raw.num_hidden_layers,
@@ -319,7 +422,9 @@ impl LlamaConfig {
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings,
             attention_bias: raw.attention_bias,
+            qkv_bias: raw.qkv_bias.unwrap_or(family == Family::Qwen2),
             mlp_bias: raw.mlp_bias,
+            sliding_window,
             bos_token_id: raw.bos_token_id,
             eos_token_ids,
             torch_dtype: raw.dtype.or(raw.torch_dtype),
@@ -359,6 +464,15 @@ fn parse_rope_scaling(r: &RawRope, max_positions: usize) -> Result<RopeScaling> 
                     .original_max_position_embeddings
                     .unwrap_or(max_positions),
             })
+        }
+        CUSTOM_DIVISORS => {
+            let divisors = r.divisors.clone().unwrap_or_default();
+            if divisors.iter().any(|d| !(d.is_finite() && *d > 0.0)) {
+                return Err(ModelError::InvalidConfig(
+                    "rope divisors must be positive".into(),
+                ));
+            }
+            Ok(RopeScaling::Divisors(divisors))
         }
         other => Err(ModelError::InvalidConfig(format!(
             "rope scaling type {other:?} is not supported (supported: default, linear, llama3)"

@@ -14,6 +14,8 @@ pub(crate) struct HeadShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: only the last `window` positions are seen.
+    pub window: Option<usize>,
 }
 
 /// Whether [`attend`] serves tensors of this dtype on this device.
@@ -35,6 +37,7 @@ pub(crate) fn attend(
         heads,
         kv_heads,
         head_dim,
+        window,
     } = shape;
     let b = starts.len();
     let q = q.flatten_all()?.to_vec1::<f32>()?;
@@ -47,6 +50,7 @@ pub(crate) fn attend(
     let mut scores = Vec::new();
     for (i, &start) in starts.iter().enumerate() {
         let seen = start + 1;
+        let first = window.map_or(0, |w| seen.saturating_sub(w));
         let k_guard = keys[i].storage_and_layout();
         let v_guard = values[i].storage_and_layout();
         let k = cached_rows(&k_guard.0, k_guard.1, kv_heads, seen, head_dim)?;
@@ -58,11 +62,11 @@ pub(crate) fn attend(
             let base = kv * capacity * head_dim;
             scores.clear();
             scores.extend(
-                (0..seen).map(|t| dot(q_row, &k[base + t * head_dim..][..head_dim]) * scale),
+                (first..seen).map(|t| dot(q_row, &k[base + t * head_dim..][..head_dim]) * scale),
             );
             softmax(&mut scores);
             let o = &mut out[(i * heads + h) * head_dim..][..head_dim];
-            for (t, &p) in scores.iter().enumerate() {
+            for (t, &p) in (first..).zip(scores.iter()) {
                 for (o, &x) in o.iter_mut().zip(&v[base + t * head_dim..][..head_dim]) {
                     *o += p * x;
                 }

@@ -16,9 +16,12 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::Device;
 
-use crate::config::{LlamaConfig, RopeScaling};
+use crate::config::{Family, LlamaConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::weight_file::FileBytes;
+
+/// llama.cpp's per-frequency rope divisors.
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// The first bytes of every GGUF file.
 pub const MAGIC: &[u8; 4] = b"GGUF";
@@ -101,7 +104,8 @@ pub struct GgufFile {
     metadata: HashMap<String, Value>,
     /// Keyed by Hugging Face name; tensors Corolla does not use are left out.
     tensors: HashMap<String, GgufTensorInfo>,
-    has_rope_freqs: bool,
+    /// llama.cpp's per-frequency rope divisors (llama3 scaling), if present.
+    rope_freqs: Option<GgufTensorInfo>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -123,11 +127,13 @@ impl GgufFile {
         let content = Content::read(&mut std::io::Cursor::new(&mmap[..]))
             .map_err(|e| ModelError::invalid_file(path, e))?;
         let mut tensors = HashMap::new();
+        let mut rope_freqs = None;
         for (name, info) in &content.tensor_infos {
-            let Some(hf) = hf_name(name) else {
+            let hf = hf_name(name);
+            if hf.is_none() && name != ROPE_FREQS {
                 tracing::debug!(tensor = %name, "ignoring a GGUF tensor Corolla does not use");
                 continue;
-            };
+            }
             let elems = info.shape.elem_count();
             let block = info.ggml_dtype.block_size();
             if elems % block != 0 {
@@ -146,20 +152,23 @@ impl GgufFile {
                     format!("{name} ends at byte {end}, past the end of the file"),
                 ));
             }
-            tensors.insert(
-                hf,
-                GgufTensorInfo {
-                    gguf_name: name.clone(),
-                    dtype: info.ggml_dtype,
-                    shape: info.shape.dims().to_vec(),
-                    range: (start, end),
-                },
-            );
+            let tensor = GgufTensorInfo {
+                gguf_name: name.clone(),
+                dtype: info.ggml_dtype,
+                shape: info.shape.dims().to_vec(),
+                range: (start, end),
+            };
+            match hf {
+                Some(hf) => {
+                    tensors.insert(hf, tensor);
+                }
+                None => rope_freqs = Some(tensor),
+            }
         }
         Ok(GgufFile {
             path: path.to_path_buf(),
             mmap,
-            has_rope_freqs: content.tensor_infos.contains_key("rope_freqs.weight"),
+            rope_freqs,
             metadata: content.metadata,
             tensors,
         })
@@ -237,33 +246,39 @@ impl GgufFile {
             .ok_or_else(|| self.invalid(format!("metadata {key} is missing or not an integer")))
     }
 
-    /// The model's configuration, from the `llama.*` metadata.
+    /// The model's configuration, from the `<architecture>.*` metadata
+    /// (`llama` and `qwen2`; llama.cpp stores Mistral models as `llama`).
     pub fn config(&self) -> Result<LlamaConfig> {
         let arch = self.string("general.architecture").unwrap_or("");
-        if arch != "llama" {
-            return Err(ModelError::UnsupportedArchitecture(format!(
-                "GGUF architecture {arch:?} (only \"llama\" is supported)"
-            )));
-        }
-        let hidden = self.required_uint("llama.embedding_length")?;
-        let heads = self.required_uint("llama.attention.head_count")?;
+        let family = match arch {
+            "llama" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            other => {
+                return Err(ModelError::UnsupportedArchitecture(format!(
+                    "GGUF architecture {other:?} (supported: llama, qwen2)"
+                )))
+            }
+        };
+        let key = |name: &str| format!("{arch}.{name}");
+        let hidden = self.required_uint(&key("embedding_length"))?;
+        let heads = self.required_uint(&key("attention.head_count"))?;
         let kv_heads = self
-            .uint("llama.attention.head_count_kv")
+            .uint(&key("attention.head_count_kv"))
             .map_or(Ok(heads), |v| {
                 usize::try_from(v).map_err(|_| self.invalid("head_count_kv is too large"))
             })?;
-        let vocab = match self.uint("llama.vocab_size") {
+        let vocab = match self.uint(&key("vocab_size")) {
             Some(v) => usize::try_from(v).map_err(|_| self.invalid("vocab_size is too large"))?,
             None => match self.metadata.get("tokenizer.ggml.tokens") {
                 Some(Value::Array(tokens)) => tokens.len(),
-                _ => return Err(self.invalid("neither llama.vocab_size nor a token list")),
+                _ => return Err(self.invalid("neither a vocab_size nor a token list")),
             },
         };
-        let rope_scaling = match self.string("llama.rope.scaling.type") {
+        let mut rope_scaling = match self.string(&key("rope.scaling.type")) {
             None | Some("none") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear {
                 factor: self
-                    .float("llama.rope.scaling.factor")
+                    .float(&key("rope.scaling.factor"))
                     .filter(|f| f.is_finite() && *f > 0.0)
                     .ok_or_else(|| self.invalid("linear rope scaling without a factor"))?,
             },
@@ -273,37 +288,76 @@ impl GgufFile {
                 )))
             }
         };
-        if self.has_rope_freqs {
-            return Err(ModelError::InvalidConfig(
-                "GGUF files with per-frequency rope factors (rope_freqs) are not supported yet"
-                    .into(),
-            ));
+        if let Some(divisors) = self.rope_divisors()? {
+            if rope_scaling != RopeScaling::None {
+                return Err(self.invalid("both rope_freqs and a rope scaling type"));
+            }
+            rope_scaling = RopeScaling::Divisors(divisors);
         }
         let eos: Vec<u32> = self
             .uint("tokenizer.ggml.eos_token_id")
             .and_then(|v| u32::try_from(v).ok())
             .into_iter()
+            .chain(self.eot_token_id())
             .collect();
         let json = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
+            "architectures": [family.architecture()],
             "hidden_size": hidden,
-            "intermediate_size": self.required_uint("llama.feed_forward_length")?,
-            "num_hidden_layers": self.required_uint("llama.block_count")?,
+            "intermediate_size": self.required_uint(&key("feed_forward_length"))?,
+            "num_hidden_layers": self.required_uint(&key("block_count"))?,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
-            "head_dim": self.uint("llama.attention.key_length").unwrap_or((hidden / heads.max(1)) as u64),
+            "head_dim": self.uint(&key("attention.key_length")).unwrap_or((hidden / heads.max(1)) as u64),
             "vocab_size": vocab,
-            "max_position_embeddings": self.uint("llama.context_length").unwrap_or(4096),
-            "rms_norm_eps": self.float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            "rope_theta": self.float("llama.rope.freq_base").unwrap_or(10_000.0),
+            "max_position_embeddings": self.uint(&key("context_length")).unwrap_or(4096),
+            "rms_norm_eps": self.float(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+            "rope_theta": self.float(&key("rope.freq_base")).unwrap_or(10_000.0),
             "tie_word_embeddings": !self.tensors.contains_key(crate::head::LM_HEAD),
             "bos_token_id": self.uint("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
+            "sliding_window": self.uint(&key("attention.sliding_window")),
         });
         let mut cfg = LlamaConfig::from_json(&json.to_string())
             .map_err(|e| self.invalid(format!("metadata: {e}")))?;
+        if let RopeScaling::Divisors(d) = &rope_scaling {
+            if d.len() != cfg.head_dim / 2 {
+                return Err(self.invalid(format!(
+                    "rope_freqs has {} values for head_dim {}",
+                    d.len(),
+                    cfg.head_dim
+                )));
+            }
+        }
         cfg.rope_scaling = rope_scaling;
         Ok(cfg)
+    }
+
+    /// llama.cpp's end-of-turn token (`<|eot_id|>`, `<|im_end|>`), also a
+    /// place to stop, when it differs from the end-of-sequence one.
+    fn eot_token_id(&self) -> Option<u32> {
+        let eot = self
+            .uint("tokenizer.ggml.eot_token_id")
+            .and_then(|v| u32::try_from(v).ok())?;
+        (Some(eot as u64) != self.uint("tokenizer.ggml.eos_token_id")).then_some(eot)
+    }
+
+    /// The `rope_freqs` tensor (one divisor per rotary frequency), if present.
+    fn rope_divisors(&self) -> Result<Option<Vec<f64>>> {
+        let Some(info) = &self.rope_freqs else {
+            return Ok(None);
+        };
+        if info.dtype != GgmlDType::F32 || info.shape.len() != 1 {
+            return Err(self.invalid("rope_freqs must be a float32 vector"));
+        }
+        let bytes = &self.mmap[info.range.0..info.range.1];
+        let divisors: Vec<f64> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect();
+        if divisors.iter().any(|d| !(d.is_finite() && *d > 0.0)) {
+            return Err(self.invalid("rope_freqs holds a divisor that is not positive"));
+        }
+        Ok(Some(divisors))
     }
 
     /// The tokenizer stored in the metadata, if any.

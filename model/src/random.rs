@@ -95,10 +95,11 @@ pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<()> {
     .map_err(|e| ModelError::io(&path, e))
 }
 
-struct SplitMix64(u64);
+/// A small seeded generator (candle's CPU device cannot be seeded).
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -111,7 +112,7 @@ impl SplitMix64 {
     }
 
     /// Box-Muller.
-    fn normal(&mut self) -> f64 {
+    pub(crate) fn normal(&mut self) -> f64 {
         let (u1, u2) = (self.uniform(), self.uniform());
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
     }

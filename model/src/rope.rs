@@ -34,6 +34,9 @@ fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
     match cfg.rope_scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::Divisors(ref divisors) => {
+            base.into_iter().zip(divisors).map(|(f, d)| f / d).collect()
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -59,6 +62,21 @@ fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
                 .collect()
         }
     }
+}
+
+/// The divisor of each inverse frequency that `cfg`'s scaling amounts to:
+/// what a GGUF file stores as its `rope_freqs` tensor (llama.cpp writes
+/// llama3 scaling that way).
+pub fn frequency_divisors(cfg: &LlamaConfig) -> Vec<f64> {
+    let plain = LlamaConfig {
+        rope_scaling: RopeScaling::None,
+        ..cfg.clone()
+    };
+    inverse_frequencies(&plain)
+        .into_iter()
+        .zip(inverse_frequencies(cfg))
+        .map(|(p, s)| p / s)
+        .collect()
 }
 
 impl Rope {
@@ -164,5 +182,22 @@ mod tests {
             .iter()
             .zip(&plain)
             .all(|(s, p)| s <= p && *s >= p / 8.0));
+        cfg.rope_scaling = scaled_cfg_scaling();
+        let divided = LlamaConfig {
+            rope_scaling: RopeScaling::Divisors(frequency_divisors(&cfg)),
+            ..cfg.clone()
+        };
+        for (d, s) in inverse_frequencies(&divided).iter().zip(&scaled) {
+            assert!((d - s).abs() <= 1e-12 * s, "{d} vs {s}");
+        }
+    }
+
+    fn scaled_cfg_scaling() -> RopeScaling {
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }
     }
 }

@@ -31,21 +31,24 @@ struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    /// Sliding-window attention: keys older than this many positions are not seen.
+    window: Option<usize>,
 }
 
 impl Attention {
     fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let bias = cfg.attention_bias;
+        let (qkv_bias, o_bias) = (cfg.has_qkv_bias(), cfg.attention_bias);
         Ok(Attention {
-            q_proj: linear(w, "q_proj", nh * hd, h, bias)?,
-            k_proj: linear(w, "k_proj", nkv * hd, h, bias)?,
-            v_proj: linear(w, "v_proj", nkv * hd, h, bias)?,
-            o_proj: linear(w, "o_proj", h, nh * hd, bias)?,
+            q_proj: linear(w, "q_proj", nh * hd, h, qkv_bias)?,
+            k_proj: linear(w, "k_proj", nkv * hd, h, qkv_bias)?,
+            v_proj: linear(w, "v_proj", nkv * hd, h, qkv_bias)?,
+            o_proj: linear(w, "o_proj", h, nh * hd, o_bias)?,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
+            window: cfg.sliding_window,
         })
     }
 
@@ -107,6 +110,7 @@ impl Attention {
                 heads: nh,
                 kv_heads: nkv,
                 head_dim: hd,
+                window: self.window,
             };
             let out = decode_attention::attend(&q, &keys, &values, starts, shape)?;
             return self.o_proj.forward(&out);
@@ -122,6 +126,8 @@ impl Attention {
 
     /// Writes `k`, `v` (`[b, kv heads, t, hd]`) at `start` into the cache and
     /// attends `q` to every cached position up to them: `[b, t, heads * hd]`.
+    /// A multi-position step's `mask` carries the causal and window limits;
+    /// a single position sees the last `window` keys.
     fn attend(
         &self,
         q: &Tensor,
@@ -136,8 +142,13 @@ impl Attention {
         cache.keys.slice_set(k, 2, start)?;
         cache.values.slice_set(v, 2, start)?;
         let total = start + t;
-        let keys = cache.keys.narrow(2, 0, total)?;
-        let values = cache.values.narrow(2, 0, total)?;
+        let first = match (mask, self.window) {
+            (None, Some(window)) => total.saturating_sub(window),
+            _ => 0,
+        };
+        let keys = cache.keys.narrow(2, first, total - first)?;
+        let values = cache.values.narrow(2, first, total - first)?;
+        let total = total - first;
 
         // Grouped-query attention without copying K/V per query head: the
         // query heads that share a KV head are stacked along the rows.
@@ -445,7 +456,12 @@ impl BlockSpan {
         self.check_step(hidden.dims(), start, cache)?;
         let t = hidden.dim(1)?;
         let mask = if t > 1 {
-            Some(causal_mask(t, start, &self.device)?)
+            Some(causal_mask(
+                t,
+                start,
+                self.config.sliding_window,
+                &self.device,
+            )?)
         } else {
             None
         };
@@ -502,13 +518,16 @@ impl BlockSpan {
     }
 }
 
-/// `[t, start + t]` additive mask: query `i` (position `start + i`) sees keys `0..=start + i`.
-fn causal_mask(t: usize, start: usize, device: &Device) -> Result<Tensor> {
+/// `[t, start + t]` additive mask: query `i` (position `p = start + i`) sees
+/// keys `0..=p`, or with a sliding window only the last `window` of them.
+fn causal_mask(t: usize, start: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
     let total = start + t;
+    let window = window.unwrap_or(usize::MAX);
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
             (0..total).map(move |j| {
-                if j > start + i {
+                let p = start + i;
+                if j > p || p - j >= window {
                     f32::NEG_INFINITY
                 } else {
                     0.0
