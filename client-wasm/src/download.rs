@@ -1,14 +1,26 @@
-//! Fetching a server's client part (config, tokenizer, embeddings, final
-//! norm, LM head) over HTTP with progress, checked against the manifest's
-//! sizes and SHA-256 digests, and kept in the browser's Cache API so the
-//! next visit downloads nothing.
+//! Fetching a server's client part over HTTP. Whole files (config,
+//! tokenizer, final norm, a 70B model's LM head) stream into their final
+//! memory with progress, are checked against the manifest's size and
+//! SHA-256 as they arrive, resume with a range request after a dropped
+//! connection, and are kept in the browser's Cache API so the next visit
+//! downloads nothing. The embedding table is never downloaded whole:
+//! [`RowSource`] fetches the rows a prompt needs by range request, each
+//! checked against its own digest and cached.
 
-use js_sys::{Function, Reflect, Uint8Array};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use corolla_model::embeddings::{RowFetch, RowsFuture};
+use corolla_model::ModelError;
+use js_sys::{Function, Promise, Reflect, Uint8Array};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use web_sys::{Cache, Response};
+use web_sys::{Cache, CacheStorage, Headers, Request, RequestInit, Response};
+
+use corolla_shared::manifest::{ClientFile, ClientManifest, RowsFile};
 
 /// Cache API bucket; entries are keyed by URL and digest.
 const CACHE_NAME: &str = "corolla-model-v1";
@@ -17,8 +29,28 @@ const PROGRESS_STEP: usize = 1 << 20;
 /// Reserved before the first byte arrives; the manifest's size is only a
 /// claim, so more is grown as the body really comes in.
 const INITIAL_RESERVE: usize = 64 << 20;
+/// Range requests after a download broke off, before giving up.
+const RESUMES: usize = 3;
+/// Rows closer than this are fetched by one range request.
+const ROW_GAP: u32 = 4;
 
-use corolla_shared::manifest::{ClientFile, ClientManifest};
+/// Bytes this page fetched over the network and read from its cache.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Traffic {
+    pub downloaded_bytes: u64,
+    pub cached_bytes: u64,
+    pub rows_downloaded: u64,
+    pub rows_cached: u64,
+}
+
+/// Shared by the downloads and the row source of one client.
+pub type TrafficCounter = Rc<Cell<Traffic>>;
+
+fn count(counter: &TrafficCounter, f: impl FnOnce(&mut Traffic)) {
+    let mut t = counter.take();
+    f(&mut t);
+    counter.set(t);
+}
 
 #[derive(Serialize)]
 struct Progress<'a> {
@@ -37,16 +69,38 @@ fn js_error(context: &str, e: JsValue) -> String {
     format!("{context}: {detail}")
 }
 
-fn hex_sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn fetch(url: &str) -> Result<Response, String> {
-    let window = web_sys::window().ok_or("no window: run the client in a page")?;
-    let response = JsFuture::from(window.fetch_with_str(url))
+/// `fetch` of the page or of a worker.
+fn global_fetch(request: &Request) -> Result<Promise, String> {
+    let global = js_sys::global();
+    if let Some(window) = global.dyn_ref::<web_sys::Window>() {
+        return Ok(window.fetch_with_request(request));
+    }
+    if let Some(worker) = global.dyn_ref::<web_sys::WorkerGlobalScope>() {
+        return Ok(worker.fetch_with_request(request));
+    }
+    Err("neither a page nor a worker: no fetch".into())
+}
+
+async fn fetch(url: &str, range: Option<(u64, Option<u64>)>) -> Result<Response, String> {
+    let init = RequestInit::new();
+    if let Some((start, end)) = range {
+        let headers = Headers::new().map_err(|e| js_error("headers", e))?;
+        let value = match end {
+            Some(end) => format!("bytes={start}-{end}"),
+            None => format!("bytes={start}-"),
+        };
+        headers
+            .set("Range", &value)
+            .map_err(|e| js_error("headers", e))?;
+        init.set_headers(&headers);
+    }
+    let request = Request::new_with_str_and_init(url, &init)
+        .map_err(|e| js_error(&format!("bad URL {url}"), e))?;
+    let response = JsFuture::from(global_fetch(&request)?)
         .await
         .map_err(|e| js_error(&format!("cannot fetch {url}"), e))?;
     let response: Response = response
@@ -59,13 +113,23 @@ async fn fetch(url: &str) -> Result<Response, String> {
             response.status_text()
         ));
     }
+    if range.is_some() && response.status() != 206 {
+        // A 200 would be the whole file: stop it rather than read it.
+        if let Some(body) = response.body() {
+            let _ = body.cancel();
+        }
+        return Err(format!(
+            "{url}: the server ignored the range request (HTTP {})",
+            response.status()
+        ));
+    }
     Ok(response)
 }
 
 /// The manifest at `base/model/manifest.json`, checked.
 pub async fn manifest(base: &str) -> Result<ClientManifest, String> {
     let url = format!("{base}/model/manifest.json");
-    let response = fetch(&url).await?;
+    let response = fetch(&url, None).await?;
     let text = JsFuture::from(response.text().map_err(|e| js_error(&url, e))?)
         .await
         .map_err(|e| js_error(&url, e))?
@@ -77,24 +141,15 @@ pub async fn manifest(base: &str) -> Result<ClientManifest, String> {
 /// The model cache, where the page may have one: the Cache API exists only
 /// in secure contexts (https, localhost), so a page on `http://<ip>` has none.
 pub async fn open_cache() -> Option<Cache> {
-    let window = web_sys::window()?;
-    let present = Reflect::get(&window, &"caches".into()).ok()?;
+    let global = js_sys::global();
+    let present = Reflect::get(&global, &"caches".into()).ok()?;
     if present.is_undefined() || present.is_null() {
         tracing::info!("no Cache API here (not a secure context): the model is not kept");
         return None;
     }
-    let caches = window.caches().ok()?;
+    let caches: CacheStorage = present.dyn_into().ok()?;
     let cache = JsFuture::from(caches.open(CACHE_NAME)).await.ok()?;
     cache.dyn_into().ok()
-}
-
-async fn cached(cache: &Cache, key: &str, file: &ClientFile) -> Option<Vec<u8>> {
-    let hit = JsFuture::from(cache.match_with_str(key)).await.ok()?;
-    let response: Response = hit.dyn_into().ok()?;
-    let buffer = JsFuture::from(response.array_buffer().ok()?).await.ok()?;
-    let bytes = Uint8Array::new(&buffer).to_vec();
-    // A damaged entry is fetched again rather than trusted.
-    (bytes.len() as u64 == file.size && hex_sha256(&bytes) == file.sha256).then_some(bytes)
 }
 
 fn report(on_progress: &Function, file: &str, loaded: u64, total: u64, cached: bool) {
@@ -110,83 +165,233 @@ fn report(on_progress: &Function, file: &str, loaded: u64, total: u64, cached: b
     }
 }
 
-/// One file of the manifest: from `cache`, else downloaded (streamed, with
-/// progress), checked, and put in `cache`.
-pub async fn file(
-    base: &str,
-    file: &ClientFile,
-    cache: Option<&Cache>,
-    on_progress: &Function,
-) -> Result<Vec<u8>, String> {
-    let url = format!("{base}/model/{}", file.name);
-    let key = format!("{url}?sha256={}", file.sha256);
-    if let Some(cache) = cache {
-        if let Some(bytes) = cached(cache, &key, file).await {
-            report(on_progress, &file.name, file.size, file.size, true);
-            return Ok(bytes);
+/// Where a file's bytes go: a growing vector, or memory of the exact size
+/// (a quantized tensor's own storage).
+pub enum Dest<'a> {
+    Grow(&'a mut Vec<u8>),
+    Fixed { bytes: &'a mut [u8], filled: usize },
+}
+
+impl Dest<'_> {
+    fn filled(&self) -> usize {
+        match self {
+            Dest::Grow(v) => v.len(),
+            Dest::Fixed { filled, .. } => *filled,
         }
     }
-    let response = fetch(&url).await?;
+
+    fn restart(&mut self) {
+        match self {
+            Dest::Grow(v) => v.clear(),
+            Dest::Fixed { filled, .. } => *filled = 0,
+        }
+    }
+
+    /// Appends `chunk`, at most `limit` bytes in all; returns what was written.
+    fn append(&mut self, chunk: &Uint8Array, limit: usize) -> Result<&[u8], String> {
+        let start = self.filled();
+        let len = chunk.length() as usize;
+        if start + len > limit {
+            return Err(format!(
+                "more than the {limit} bytes the manifest announced"
+            ));
+        }
+        Ok(match self {
+            Dest::Grow(v) => {
+                if v.capacity() == 0 {
+                    v.reserve(limit.min(INITIAL_RESERVE));
+                }
+                v.resize(start + len, 0);
+                chunk.copy_to(&mut v[start..]);
+                &v[start..]
+            }
+            Dest::Fixed { bytes, filled } => {
+                chunk.copy_to(&mut bytes[start..start + len]);
+                *filled = start + len;
+                &bytes[start..start + len]
+            }
+        })
+    }
+}
+
+/// Why reading a body stopped.
+enum ReadError {
+    /// The connection broke: a range request can go on from here.
+    Interrupted(String),
+    Fatal(String),
+}
+
+/// Streams `response`'s body into `dest`, hashing as it goes.
+async fn read_body(
+    response: &Response,
+    url: &str,
+    dest: &mut Dest<'_>,
+    limit: usize,
+    hasher: &mut Sha256,
+    mut progress: impl FnMut(usize),
+) -> Result<(), ReadError> {
+    let fatal = |m: String| ReadError::Fatal(format!("{url}: {m}"));
     let body = response
         .body()
-        .ok_or_else(|| format!("{url}: empty response"))?;
+        .ok_or_else(|| fatal("empty response".into()))?;
     let reader: web_sys::ReadableStreamDefaultReader = body
         .get_reader()
         .dyn_into()
-        .map_err(|_| format!("{url}: cannot read the response body"))?;
-    let expected = usize::try_from(file.size).map_err(|_| format!("{url}: too large"))?;
-    let mut bytes = Vec::with_capacity(expected.min(INITIAL_RESERVE));
-    let mut next_report = 0;
+        .map_err(|_| fatal("cannot read the response body".into()))?;
     loop {
         let chunk = JsFuture::from(reader.read())
             .await
-            .map_err(|e| js_error(&format!("download of {url} failed"), e))?;
+            .map_err(|e| ReadError::Interrupted(js_error(&format!("download of {url}"), e)))?;
         let done = Reflect::get(&chunk, &"done".into())
             .ok()
             .and_then(|d| d.as_bool())
             .unwrap_or(true);
         if done {
-            break;
+            return Ok(());
         }
         let value: Uint8Array = Reflect::get(&chunk, &"value".into())
             .ok()
             .and_then(|v| v.dyn_into().ok())
-            .ok_or_else(|| format!("{url}: the body stream gave no bytes"))?;
-        if bytes.len() + value.length() as usize > expected {
+            .ok_or_else(|| fatal("the body stream gave no bytes".into()))?;
+        let written = dest.append(&value, limit).map_err(fatal)?;
+        hasher.update(written);
+        progress(written.len());
+    }
+}
+
+/// One file of the manifest into `dest`: from `cache`, else downloaded
+/// (streamed, with progress, resumed after a broken connection), checked,
+/// and put in `cache`.
+pub async fn file_into(
+    base: &str,
+    file: &ClientFile,
+    cache: Option<&Cache>,
+    on_progress: &Function,
+    traffic: &TrafficCounter,
+    dest: &mut Dest<'_>,
+) -> Result<(), String> {
+    let url = format!("{base}/model/{}", file.name);
+    let key = format!("{url}?sha256={}", file.sha256);
+    let expected = usize::try_from(file.size).map_err(|_| format!("{url}: too large"))?;
+    if let Dest::Fixed { bytes, .. } = dest {
+        if bytes.len() != expected {
             return Err(format!(
-                "{url}: more than the {expected} bytes the manifest announced"
+                "{url}: the manifest says {expected} bytes, the tensor takes {}",
+                bytes.len()
             ));
         }
-        let start = bytes.len();
-        bytes.resize(start + value.length() as usize, 0);
-        value.copy_to(&mut bytes[start..]);
-        if bytes.len() >= next_report {
-            report(
-                on_progress,
-                &file.name,
-                bytes.len() as u64,
-                file.size,
-                false,
-            );
-            next_report = bytes.len() + PROGRESS_STEP;
+    }
+    if let Some(cache) = cache {
+        if let Some(response) = JsFuture::from(cache.match_with_str(&key))
+            .await
+            .ok()
+            .and_then(|hit| hit.dyn_into::<Response>().ok())
+        {
+            let mut hasher = Sha256::new();
+            let read = read_body(&response, &url, dest, expected, &mut hasher, |_| {}).await;
+            if read.is_ok() && dest.filled() == expected && hex(&hasher.finalize()) == file.sha256 {
+                count(traffic, |t| t.cached_bytes += file.size);
+                report(on_progress, &file.name, file.size, file.size, true);
+                return Ok(());
+            }
+            // A damaged entry is fetched again rather than trusted.
+            dest.restart();
         }
     }
-    if bytes.len() != expected {
-        return Err(format!(
-            "{url}: got {} bytes, the manifest announced {expected}",
-            bytes.len()
-        ));
+    let mut hasher = Sha256::new();
+    let mut put = None;
+    let mut resumed = false;
+    let mut next_report = 0;
+    for attempt in 0..=RESUMES {
+        let from = dest.filled() as u64;
+        let range = (attempt > 0).then_some((from, None));
+        let response = fetch(&url, range).await?;
+        if let (Some(cache), None, false) = (cache, &put, resumed) {
+            // The cache reads its own copy of the stream as this one is read.
+            if let Ok(copy) = response.clone() {
+                put = Some(JsFuture::from(cache.put_with_str(&key, &copy)));
+            }
+        }
+        let mut loaded = from as usize;
+        let read = read_body(&response, &url, dest, expected, &mut hasher, |n| {
+            loaded += n;
+            if loaded >= next_report {
+                report(on_progress, &file.name, loaded as u64, file.size, false);
+                next_report = loaded + PROGRESS_STEP;
+            }
+        })
+        .await;
+        count(traffic, |t| {
+            t.downloaded_bytes += dest.filled() as u64 - from;
+        });
+        match read {
+            Ok(()) => break,
+            Err(ReadError::Interrupted(e)) if attempt < RESUMES => {
+                tracing::warn!(file = %file.name, error = %e, at = dest.filled(), "download broke off; resuming");
+                resumed = true;
+            }
+            Err(ReadError::Interrupted(e) | ReadError::Fatal(e)) => return Err(e),
+        }
     }
-    if hex_sha256(&bytes) != file.sha256 {
-        return Err(format!("{url}: SHA-256 does not match the manifest"));
+    let bytes_ok = dest.filled() == expected;
+    let digest_ok = bytes_ok && hex(&hasher.finalize()) == file.sha256;
+    if !digest_ok {
+        if let Some(cache) = cache {
+            let _ = JsFuture::from(cache.delete_with_str(&key)).await;
+        }
+        return Err(if bytes_ok {
+            format!("{url}: SHA-256 does not match the manifest")
+        } else {
+            format!(
+                "{url}: got {} bytes, the manifest announced {expected}",
+                dest.filled()
+            )
+        });
     }
     report(on_progress, &file.name, file.size, file.size, false);
-    if let Some(cache) = cache {
-        if let Err(e) = store(cache, &key, &mut bytes).await {
-            // Quota or private mode: the page still works, it only downloads again next time.
-            tracing::warn!(file = %file.name, error = %e, "not cached");
+    match (put, resumed, cache) {
+        (Some(put), false, _) => {
+            if let Err(e) = put.await {
+                // Quota or private mode: the page still works, it only downloads again next time.
+                tracing::warn!(file = %file.name, error = %js_error("cache put", e), "not cached");
+            }
         }
+        (put, _, Some(cache)) => {
+            // A resumed download was read from several responses: store what was verified.
+            if let Some(put) = put {
+                let _ = put.await;
+            }
+            let stored = match dest {
+                Dest::Grow(v) => store(cache, &key, v).await,
+                Dest::Fixed { bytes, .. } => store(cache, &key, bytes).await,
+            };
+            if let Err(e) = stored {
+                tracing::warn!(file = %file.name, error = %e, "not cached");
+            }
+        }
+        _ => {}
     }
+    Ok(())
+}
+
+/// One file of the manifest as bytes ([`file_into`] a growing vector).
+pub async fn file(
+    base: &str,
+    file: &ClientFile,
+    cache: Option<&Cache>,
+    on_progress: &Function,
+    traffic: &TrafficCounter,
+) -> Result<Vec<u8>, String> {
+    let mut bytes = Vec::new();
+    file_into(
+        base,
+        file,
+        cache,
+        on_progress,
+        traffic,
+        &mut Dest::Grow(&mut bytes),
+    )
+    .await?;
     Ok(bytes)
 }
 
@@ -197,4 +402,164 @@ async fn store(cache: &Cache, key: &str, bytes: &mut [u8]) -> Result<(), String>
         .await
         .map_err(|e| js_error("cache put", e))?;
     Ok(())
+}
+
+/// The embedding rows of a server's client part, fetched by range request.
+pub struct RowSource {
+    url: String,
+    row_bytes: usize,
+    rows: u32,
+    /// 32 bytes per row.
+    digests: Vec<u8>,
+    cache: Option<Cache>,
+    traffic: TrafficCounter,
+}
+
+impl RowSource {
+    pub fn new(
+        base: &str,
+        rows: &RowsFile,
+        digests: Vec<u8>,
+        cache: Option<Cache>,
+        traffic: TrafficCounter,
+    ) -> Result<Self, String> {
+        let count = u32::try_from(rows.rows).map_err(|_| "too many embedding rows")?;
+        if digests.len() as u64 != rows.rows * 32 {
+            return Err(format!(
+                "{} row digests for {} rows",
+                digests.len() / 32,
+                rows.rows
+            ));
+        }
+        Ok(RowSource {
+            url: format!("{base}/model/{}", rows.file),
+            row_bytes: usize::try_from(rows.row_bytes).map_err(|_| "rows too large")?,
+            rows: count,
+            digests,
+            cache,
+            traffic,
+        })
+    }
+
+    fn digest(&self, id: u32) -> &[u8] {
+        &self.digests[id as usize * 32..][..32]
+    }
+
+    fn key(&self, id: u32) -> String {
+        format!("{}?row={id}&sha256={}", self.url, hex(self.digest(id)))
+    }
+
+    async fn cached(&self, id: u32) -> Option<Vec<u8>> {
+        let cache = self.cache.as_ref()?;
+        let hit = JsFuture::from(cache.match_with_str(&self.key(id)))
+            .await
+            .ok()?;
+        let response: Response = hit.dyn_into().ok()?;
+        let buffer = JsFuture::from(response.array_buffer().ok()?).await.ok()?;
+        let bytes = Uint8Array::new(&buffer).to_vec();
+        (bytes.len() == self.row_bytes && Sha256::digest(&bytes)[..] == *self.digest(id))
+            .then_some(bytes)
+    }
+
+    /// Rows `first..=last` by one range request, each checked.
+    async fn download(&self, first: u32, last: u32) -> Result<Vec<Vec<u8>>, String> {
+        let rb = self.row_bytes as u64;
+        let response = fetch(
+            &self.url,
+            Some((first as u64 * rb, Some((last as u64 + 1) * rb - 1))),
+        )
+        .await?;
+        let expected = (last - first + 1) as usize * self.row_bytes;
+        let mut bytes = Vec::new();
+        let mut hasher = Sha256::new();
+        read_body(
+            &response,
+            &self.url,
+            &mut Dest::Grow(&mut bytes),
+            expected,
+            &mut hasher,
+            |_| {},
+        )
+        .await
+        .map_err(|e| match e {
+            ReadError::Interrupted(e) | ReadError::Fatal(e) => e,
+        })?;
+        if bytes.len() != expected {
+            return Err(format!(
+                "{}: rows {first}..={last}: {} bytes, not {expected}",
+                self.url,
+                bytes.len()
+            ));
+        }
+        count(&self.traffic, |t| {
+            t.downloaded_bytes += expected as u64;
+            t.rows_downloaded += (last - first + 1) as u64;
+        });
+        let mut rows = Vec::with_capacity((last - first + 1) as usize);
+        for (id, row) in (first..=last).zip(bytes.chunks_exact(self.row_bytes)) {
+            if Sha256::digest(row)[..] != *self.digest(id) {
+                return Err(format!("{}: row {id} does not match its digest", self.url));
+            }
+            let mut row = row.to_vec();
+            if let Some(cache) = &self.cache {
+                if let Err(e) = store(cache, &self.key(id), &mut row).await {
+                    tracing::debug!(row = id, error = %e, "row not cached");
+                }
+            }
+            rows.push(row);
+        }
+        Ok(rows)
+    }
+
+    async fn rows(&self, ids: &[u32]) -> Result<Vec<Vec<u8>>, String> {
+        if let Some(&bad) = ids.iter().find(|&&id| id >= self.rows) {
+            return Err(format!("row {bad} of {}", self.rows));
+        }
+        let mut found: HashMap<u32, Vec<u8>> = HashMap::new();
+        let mut wanted: Vec<u32> = Vec::new();
+        for &id in ids {
+            match self.cached(id).await {
+                Some(row) => {
+                    count(&self.traffic, |t| {
+                        t.cached_bytes += row.len() as u64;
+                        t.rows_cached += 1;
+                    });
+                    found.insert(id, row);
+                }
+                None => wanted.push(id),
+            }
+        }
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for id in wanted {
+            match runs.last_mut() {
+                Some((_, last)) if id - *last <= ROW_GAP => *last = id,
+                _ => runs.push((id, id)),
+            }
+        }
+        let fetched = futures::future::try_join_all(
+            runs.iter().map(|&(first, last)| self.download(first, last)),
+        )
+        .await?;
+        for (&(first, last), rows) in runs.iter().zip(fetched) {
+            for (id, row) in (first..=last).zip(rows) {
+                found.insert(id, row);
+            }
+        }
+        ids.iter()
+            .map(|id| {
+                found
+                    .get(id)
+                    .cloned()
+                    .ok_or_else(|| format!("row {id} was not fetched"))
+            })
+            .collect()
+    }
+}
+
+impl RowFetch for RowSource {
+    fn fetch<'a>(&'a self, ids: &'a [u32]) -> RowsFuture<'a> {
+        Box::pin(async move { self.rows(ids).await.map_err(ModelError::RowFetch) })
+    }
 }

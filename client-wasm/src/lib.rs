@@ -20,8 +20,11 @@ use corolla_client::assistant::ClientPart;
 use corolla_client::{
     Assistant, ChatMessage, Conversation, GenerateRequest, SessionSettings, TextStream,
 };
+use corolla_model::embeddings::RowFormat;
+use corolla_model::quantized_buffer::{parse_ggml_dtype, QuantizedBuffer};
 use corolla_model::{Checkpoint, DType, QuantizedWeights, SamplingParams};
 use corolla_shared::flow::BROWSER_WINDOW;
+use corolla_shared::manifest::{ClientManifest, MAX_PART_BYTES};
 use corolla_shared::session::StepTimeout;
 use js_sys::{Function, Promise};
 use serde::{Deserialize, Serialize};
@@ -49,6 +52,7 @@ struct Inner {
     conversation: RefCell<Conversation>,
     stop: Cell<bool>,
     busy: Cell<bool>,
+    traffic: download::TrafficCounter,
 }
 
 #[wasm_bindgen]
@@ -90,6 +94,8 @@ struct InfoJs {
     hidden_size: usize,
     vocab_size: usize,
     max_positions: usize,
+    /// How the page holds the embeddings: "dense", or "fetched" by rows.
+    embeddings: &'static str,
 }
 
 #[derive(Serialize)]
@@ -152,14 +158,73 @@ impl CorollaClient {
         let base = server_url.trim_end_matches('/');
         let manifest = download::manifest(base).await.map_err(error)?;
         let cache = download::open_cache().await;
+        let traffic = download::TrafficCounter::default();
+        let lm_head_file = manifest.lm_head.as_ref().map(|h| h.file.as_str());
+        let digests_file = manifest.embedding_rows.as_ref().map(|r| r.digests.as_str());
         let mut files = Vec::with_capacity(manifest.files.len());
+        let mut lm_head = None;
+        let mut digests = None;
         for file in &manifest.files {
-            let bytes = download::file(base, file, cache.as_ref(), &on_progress)
+            if Some(file.name.as_str()) == lm_head_file {
+                // Streamed straight into the quantized tensor's storage.
+                let mut buffer = lm_head_buffer(&manifest).map_err(error)?;
+                let mut dest = download::Dest::Fixed {
+                    bytes: buffer.bytes_mut(),
+                    filled: 0,
+                };
+                download::file_into(
+                    base,
+                    file,
+                    cache.as_ref(),
+                    &on_progress,
+                    &traffic,
+                    &mut dest,
+                )
                 .await
                 .map_err(error)?;
-            files.push((file.name.clone(), bytes));
+                lm_head = Some(buffer.into_qtensor().map_err(error)?);
+                continue;
+            }
+            let bytes = download::file(base, file, cache.as_ref(), &on_progress, &traffic)
+                .await
+                .map_err(error)?;
+            if Some(file.name.as_str()) == digests_file {
+                digests = Some(bytes);
+            } else {
+                files.push((file.name.clone(), bytes));
+            }
         }
-        let part = load_part(files).map_err(error)?;
+        let checkpoint = Checkpoint::from_memory(files)
+            .map_err(error)?
+            // As the CLI does, so that both compute the same logits.
+            .with_quantized_weights(QuantizedWeights::Auto);
+        let part = match (&manifest.embedding_rows, lm_head, digests) {
+            (Some(rows), Some(lm_head), Some(digests)) => {
+                let format = RowFormat {
+                    dtype: parse_ggml_dtype(&rows.dtype).map_err(error)?,
+                    rows: rows.rows as usize,
+                    hidden: rows.hidden as usize,
+                };
+                if format.row_bytes() != Some(rows.row_bytes as usize) {
+                    return Err(error(format!(
+                        "embedding rows of {} bytes are not {} {} values",
+                        rows.row_bytes, rows.hidden, rows.dtype
+                    )));
+                }
+                let source =
+                    download::RowSource::new(base, rows, digests, cache.clone(), traffic.clone())
+                        .map_err(error)?;
+                ClientPart::load_split(&checkpoint, DType::F32, lm_head, format, Box::new(source))
+            }
+            (None, None, None) => ClientPart::load(&checkpoint, DType::F32),
+            _ => {
+                return Err(error(
+                    "the manifest lists an LM head or embedding rows without the other",
+                ))
+            }
+        }
+        .map_err(error)?;
+        drop(checkpoint);
         let cfg = part.head.config();
         let info = InfoJs {
             model: manifest.model.clone(),
@@ -167,6 +232,7 @@ impl CorollaClient {
             hidden_size: cfg.hidden_size,
             vocab_size: cfg.vocab_size,
             max_positions: cfg.max_position_embeddings,
+            embeddings: part.head.embeddings_kind(),
         };
         Ok(CorollaClient {
             inner: Rc::new(Inner {
@@ -176,7 +242,29 @@ impl CorollaClient {
                 conversation: RefCell::new(Conversation::new()),
                 stop: Cell::new(false),
                 busy: Cell::new(false),
+                traffic,
             }),
+        })
+    }
+
+    /// What the page has fetched: `{downloaded_bytes, cached_bytes,
+    /// rows_downloaded, rows_cached}`, and the wasm memory's size.
+    pub fn traffic(&self) -> Result<JsValue, JsValue> {
+        #[derive(Serialize)]
+        struct TrafficJs {
+            #[serde(flatten)]
+            traffic: download::Traffic,
+            wasm_memory_bytes: f64,
+        }
+        let traffic = self.inner.traffic.take();
+        self.inner.traffic.set(traffic.clone());
+        let memory = wasm_bindgen::memory()
+            .dyn_into::<js_sys::WebAssembly::Memory>()
+            .map(|m| js_sys::ArrayBuffer::from(m.buffer()).byte_length() as f64)
+            .unwrap_or(0.0);
+        to_js(&TrafficJs {
+            traffic,
+            wasm_memory_bytes: memory,
         })
     }
 
@@ -286,12 +374,15 @@ fn joined(inner: &Inner) -> Result<Rc<Assistant>, JsValue> {
     }
 }
 
-fn load_part(files: Vec<(String, Vec<u8>)>) -> Result<ClientPart, String> {
-    let checkpoint = Checkpoint::from_memory(files)
-        .map_err(|e| e.to_string())?
-        // As the CLI does, so that both compute the same logits.
-        .with_quantized_weights(QuantizedWeights::Auto);
-    ClientPart::load(&checkpoint, DType::F32).map_err(|e| e.to_string())
+/// The LM head's storage, sized by the manifest (bounded by its parser).
+fn lm_head_buffer(manifest: &ClientManifest) -> Result<QuantizedBuffer, String> {
+    let head = manifest
+        .lm_head
+        .as_ref()
+        .ok_or("no LM head in the manifest")?;
+    let dtype = parse_ggml_dtype(&head.dtype).map_err(|e| e.to_string())?;
+    let shape: Vec<usize> = head.shape.iter().map(|&d| d as usize).collect();
+    QuantizedBuffer::new(dtype, &shape, MAX_PART_BYTES).map_err(|e| e.to_string())
 }
 
 /// Clears the busy flag however the answer ends.

@@ -7,7 +7,9 @@
 
 use std::ops::ControlFlow;
 
+use corolla_model::embeddings::{RowFetch, RowFormat};
 use corolla_model::fingerprint::{block_hashes, default_model_name};
+use corolla_model::quantized::QTensor;
 use corolla_model::wire::wire_dtype;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device};
 use corolla_shared::node::NodeHandle;
@@ -48,6 +50,25 @@ pub struct ClientPart {
 
 impl ClientPart {
     pub fn load(checkpoint: &Checkpoint, dtype: DType) -> Result<Self, ClientError> {
+        let head = ClientHead::load(checkpoint, dtype, &Device::Cpu)?;
+        Self::with_head(checkpoint, head)
+    }
+
+    /// A client part held in pieces, as a page holds a 70B-class one: the
+    /// LM head downloaded on its own, embedding rows fetched as needed
+    /// ([`ClientHead::load_split`]).
+    pub fn load_split(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        lm_head: QTensor,
+        rows: RowFormat,
+        source: Box<dyn RowFetch>,
+    ) -> Result<Self, ClientError> {
+        let head = ClientHead::load_split(checkpoint, dtype, &Device::Cpu, lm_head, rows, source)?;
+        Self::with_head(checkpoint, head)
+    }
+
+    fn with_head(checkpoint: &Checkpoint, head: ClientHead) -> Result<Self, ClientError> {
         let tokenizer = TextTokenizer::for_checkpoint(checkpoint)?;
         let cfg = checkpoint.config();
         let template = ChatTemplate::new(
@@ -56,7 +77,6 @@ impl ClientPart {
             cfg.bos_token_id,
             cfg.eos_token_ids.first().copied(),
         )?;
-        let head = ClientHead::load(checkpoint, dtype, &Device::Cpu)?;
         Ok(ClientPart {
             model: default_model_name(checkpoint),
             tokenizer,

@@ -116,7 +116,9 @@ pub async fn generate_after<C: BlockChain>(
     let mut input = prompt[reused..].to_vec();
     let mut position = reused;
     while generated.len() < request.max_new_tokens {
-        let hidden = chain.forward(head.embed(&input)?, position).await?;
+        let hidden = chain
+            .forward(head.embed_fetching(&input).await?, position)
+            .await?;
         let logits = head.last_logits(&hidden)?;
         let token = sampler.sample(&logits, &context)?;
         if generated.is_empty() {

@@ -354,8 +354,13 @@ impl Checkpoint {
 
     /// The GGUF file holding the client part, whose metadata carries the
     /// tokenizer and chat template.
+    /// A page's client part has no embedding table: then the file of the
+    /// final norm.
     fn client_gguf(&self) -> Result<Option<Arc<WeightFile>>> {
-        match self.weight_map.get(crate::head::EMBED_TOKENS) {
+        let file = [crate::head::EMBED_TOKENS, crate::head::FINAL_NORM]
+            .iter()
+            .find_map(|t| self.weight_map.get(*t));
+        match file {
             Some(file) if file.ends_with(".gguf") => Ok(Some(self.mapped(file)?)),
             _ => Ok(None),
         }

@@ -11,12 +11,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use safetensors::tensor::TensorView as StView;
+use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{
     Checkpoint, CorollaIndex, RawDType, SpanFile, CONFIG_FILE, COROLLA_INDEX, TOKENIZER_FILE,
 };
+use crate::embeddings::RowFormat;
 use crate::error::{ModelError, Result};
 use crate::gguf::gguf_name;
 use crate::head::{EMBED_TOKENS, FINAL_NORM, LM_HEAD};
@@ -293,6 +295,118 @@ pub fn write_client_part(source: &Checkpoint, out: &Path) -> Result<Vec<String>>
         .collect();
     files.sort();
     Ok(files)
+}
+
+/// The client part as a page fetches it: files downloaded whole, plus,
+/// for an untied model stored quantized, the LM head and the embedding
+/// table as raw tensors of their stored type.
+#[derive(Debug, Clone)]
+pub struct PagePart {
+    /// Every file a page downloads whole (the LM head and row digests included).
+    pub files: Vec<String>,
+    /// Split out of the client file when the model is untied and its
+    /// embeddings are quantized.
+    pub split: Option<SplitTensors>,
+}
+
+/// Where a page finds the two large tensors of an untied quantized model.
+#[derive(Debug, Clone)]
+pub struct SplitTensors {
+    /// The LM head's stored bytes (`[vocab, hidden]`), downloaded whole
+    /// straight into its quantized storage.
+    pub lm_head: String,
+    pub lm_head_dtype: GgmlDType,
+    /// The embedding table's stored bytes, row after row, fetched a row at
+    /// a time with HTTP range requests.
+    pub rows: String,
+    pub rows_format: RowFormat,
+    /// 32 bytes per row: the SHA-256 of each row.
+    pub row_digests: String,
+}
+
+pub const PAGE_LM_HEAD_FILE: &str = "lm_head.bin";
+pub const PAGE_ROWS_FILE: &str = "embeddings.bin";
+pub const PAGE_ROW_DIGESTS_FILE: &str = "embeddings.sha256";
+
+/// Writes the client part a page fetches into `out` (empty or absent). A
+/// tied model's, or one stored as floats, is [`write_client_part`]'s; an
+/// untied quantized one (every 70B-class GGUF) keeps its embedding table
+/// and LM head out of the client file: a page then downloads the final
+/// norm, tokenizer and LM head, and only the embedding rows it uses.
+pub fn write_page_part(source: &Checkpoint, out: &Path) -> Result<PagePart> {
+    let raw_rows = source.raw_tensor(EMBED_TOKENS)?;
+    let stored = match raw_rows.dtype {
+        RawDType::Ggml(dtype) if source.contains(LM_HEAD) && raw_rows.dtype.is_quantized() => dtype,
+        _ => {
+            return Ok(PagePart {
+                files: write_client_part(source, out)?,
+                split: None,
+            })
+        }
+    };
+    let raw_head = source.raw_tensor(LM_HEAD)?;
+    let RawDType::Ggml(lm_head_dtype) = raw_head.dtype else {
+        return Err(ModelError::invalid_file(
+            source.dir(),
+            "a safetensors LM head beside GGUF embeddings",
+        ));
+    };
+    let cfg = source.config();
+    let rows_format = RowFormat {
+        dtype: stored,
+        rows: cfg.vocab_size,
+        hidden: cfg.hidden_size,
+    };
+    let row_bytes = rows_format.row_bytes().ok_or_else(|| {
+        ModelError::invalid_file(source.dir(), "embedding rows are not whole blocks")
+    })?;
+    if raw_rows.data().len() != row_bytes * rows_format.rows {
+        return Err(ModelError::invalid_file(
+            source.dir(),
+            format!(
+                "{EMBED_TOKENS}: not {} rows of {row_bytes} bytes",
+                rows_format.rows
+            ),
+        ));
+    }
+    ensure_empty_dir(out)?;
+    let metadata = source.gguf_metadata_of(EMBED_TOKENS)?;
+    write_part(
+        source,
+        &[FINAL_NORM.to_string()],
+        metadata.as_ref(),
+        &out.join(CLIENT_GGUF_FILE),
+    )?;
+    write_side_files(source, out)?;
+    let write = |name: &str, bytes: &[u8]| {
+        let path = out.join(name);
+        std::fs::write(&path, bytes).map_err(|e| ModelError::io(&path, e))
+    };
+    write(PAGE_LM_HEAD_FILE, raw_head.data())?;
+    write(PAGE_ROWS_FILE, raw_rows.data())?;
+    let digests: Vec<u8> = raw_rows
+        .data()
+        .chunks_exact(row_bytes)
+        .flat_map(|row| <[u8; 32]>::from(Sha256::digest(row)))
+        .collect();
+    write(PAGE_ROW_DIGESTS_FILE, &digests)?;
+    let mut files: Vec<String> = std::fs::read_dir(out)
+        .map_err(|e| ModelError::io(out, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name != PAGE_ROWS_FILE)
+        .collect();
+    files.sort();
+    Ok(PagePart {
+        files,
+        split: Some(SplitTensors {
+            lm_head: PAGE_LM_HEAD_FILE.into(),
+            lm_head_dtype,
+            rows: PAGE_ROWS_FILE.into(),
+            rows_format,
+            row_digests: PAGE_ROW_DIGESTS_FILE.into(),
+        }),
+    })
 }
 
 /// Writes one GGUF part: `names` (Hugging Face names) in their stored

@@ -50,6 +50,10 @@ pub enum ModelError {
     HiddenShape { actual: Vec<usize>, hidden: usize },
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
+    #[error("the embedding row of token {0} has not been fetched")]
+    EmbeddingRowMissing(u32),
+    #[error("cannot fetch embedding rows: {0}")]
+    RowFetch(String),
     #[error("invalid sampling settings: {0}")]
     InvalidSampling(String),
     #[error(transparent)]

@@ -1,21 +1,30 @@
 //! The client's part of the model: token embeddings, final RMSNorm, LM head.
 
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::LlamaConfig;
+use crate::embeddings::{RowFetch, RowFormat, TokenEmbeddings};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::span::rms_norm;
+use crate::weight_file::RawDType;
 
 pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 pub const FINAL_NORM: &str = "model.norm.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
 
+fn is_quantized(dtype: GgmlDType) -> bool {
+    !matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
 #[derive(Debug, Clone)]
 pub struct ClientHead {
-    embed_tokens: Embedding,
+    embed_tokens: Arc<TokenEmbeddings>,
     norm: RmsNorm,
     lm_head: Linear,
     config: LlamaConfig,
@@ -24,29 +33,99 @@ pub struct ClientHead {
 }
 
 impl ClientHead {
+    /// The head of `checkpoint`. An untied model's GGUF embedding table
+    /// stays in the mapped file in its stored type (rows are dequantized
+    /// as tokens need them); a tied one is loaded dense, since the LM head
+    /// multiplies by all of it.
     pub fn load(checkpoint: &Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
         let cfg = checkpoint.config();
-        let w = checkpoint.weights(dtype, device);
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embeddings = w.get(EMBED_TOKENS, &[v, h])?;
-        // Some checkpoints with tied embeddings still ship lm_head; prefer it when present.
-        let head_name = if cfg.tie_word_embeddings && !w.contains(LM_HEAD) {
-            EMBED_TOKENS
-        } else {
-            LM_HEAD
-        };
-        // Tied: the dense embeddings are at hand, and multiplying by them
-        // costs no memory and no activation quantization.
-        let lm_head = if head_name == EMBED_TOKENS {
-            Linear::dense(embeddings.clone(), None)
-        } else {
-            match w.get_quantized(head_name, &[v, h])? {
-                Some(q) => Linear::quantized(q, None)?,
-                None => Linear::dense(w.get(head_name, &[v, h])?, None),
+        if cfg.tie_word_embeddings && !checkpoint.contains(LM_HEAD) {
+            let w = checkpoint.weights(dtype, device);
+            // Tied: the dense embeddings are at hand, and multiplying by them
+            // costs no memory and no activation quantization.
+            let embeddings = w.get(EMBED_TOKENS, &[v, h])?;
+            let lm_head = Linear::dense(embeddings.clone(), None);
+            let embed_tokens = TokenEmbeddings::Dense(Embedding::new(embeddings, h));
+            return Self::with_embeddings(checkpoint, embed_tokens, lm_head, dtype, device);
+        }
+        let raw = checkpoint.raw_tensor(EMBED_TOKENS)?;
+        let embed_tokens = match raw.dtype {
+            RawDType::Ggml(stored) if raw.shape == [v, h] => {
+                let format = RowFormat {
+                    dtype: stored,
+                    rows: v,
+                    hidden: h,
+                };
+                TokenEmbeddings::mapped(raw, format)?
+            }
+            _ => {
+                let w = checkpoint.weights(dtype, device);
+                TokenEmbeddings::Dense(Embedding::new(w.get(EMBED_TOKENS, &[v, h])?, h))
             }
         };
+        let lm_head = Self::lm_head(checkpoint, dtype, device)?;
+        Self::with_embeddings(checkpoint, embed_tokens, lm_head, dtype, device)
+    }
+
+    /// The head of an untied model held in pieces, as a page holds it: the
+    /// checkpoint has the config and final norm; the LM head arrived on its
+    /// own (streamed into its storage, [`crate::quantized_buffer`]); rows of
+    /// `format` come from `source` as tokens need them, the recent ones kept.
+    pub fn load_split(
+        checkpoint: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+        lm_head: QTensor,
+        format: RowFormat,
+        source: Box<dyn RowFetch>,
+    ) -> Result<Self> {
+        let cfg = checkpoint.config();
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        if format.rows != v || format.hidden != h || lm_head.shape().dims() != [v, h] {
+            return Err(ModelError::InvalidConfig(format!(
+                "embedding rows {}x{} and an LM head of {:?} for a model of vocabulary {v} \
+                 and hidden size {h}",
+                format.rows,
+                format.hidden,
+                lm_head.shape().dims()
+            )));
+        }
+        // As `load` does: the same choice of dense or quantized math.
+        let lm_head = if checkpoint.dequantizes() || !is_quantized(lm_head.dtype()) {
+            Linear::dense(lm_head.dequantize(device)?.to_dtype(dtype)?, None)
+        } else {
+            Linear::quantized(lm_head, None)?
+        };
+        let embed_tokens = TokenEmbeddings::fetched(format, source)?;
+        Self::with_embeddings(checkpoint, embed_tokens, lm_head, dtype, device)
+    }
+
+    /// An untied LM head, kept quantized when the checkpoint keeps quantized weights.
+    fn lm_head(checkpoint: &Checkpoint, dtype: DType, device: &Device) -> Result<Linear> {
+        let cfg = checkpoint.config();
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let w = checkpoint.weights(dtype, device);
+        Ok(match w.get_quantized(LM_HEAD, &[v, h])? {
+            Some(q) => Linear::quantized(q, None)?,
+            None => Linear::dense(w.get(LM_HEAD, &[v, h])?, None),
+        })
+    }
+
+    // A page's row source holds JavaScript values (not `Send`); wasm32 has
+    // one thread, and natively `RowFetch` is `Send + Sync`.
+    #[cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
+    fn with_embeddings(
+        checkpoint: &Checkpoint,
+        embed_tokens: TokenEmbeddings,
+        lm_head: Linear,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let cfg = checkpoint.config();
+        let w = checkpoint.weights(dtype, device);
         Ok(ClientHead {
-            embed_tokens: Embedding::new(embeddings, h),
+            embed_tokens: Arc::new(embed_tokens),
             norm: rms_norm(&w, "model.norm", cfg)?,
             lm_head,
             config: cfg.clone(),
@@ -67,14 +146,35 @@ impl ClientHead {
         &self.device
     }
 
-    /// Embeds `ids` as hidden states of shape `[1, T, hidden]`.
-    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.config.vocab_size;
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(ModelError::TokenOutOfRange { id, vocab });
+        match ids.iter().find(|&&id| id as usize >= vocab) {
+            Some(&id) => Err(ModelError::TokenOutOfRange { id, vocab }),
+            None => Ok(()),
         }
-        let ids = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
-        Ok(self.embed_tokens.forward(&ids)?)
+    }
+
+    /// Embeds `ids` as hidden states of shape `[1, T, hidden]`. A head that
+    /// fetches rows must hold them already ([`Self::embed_fetching`]).
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        self.check_ids(ids)?;
+        self.embed_tokens.embed(ids, self.dtype, &self.device)
+    }
+
+    /// [`Self::embed`], first fetching the rows a fetching head lacks.
+    pub async fn embed_fetching(&self, ids: &[u32]) -> Result<Tensor> {
+        self.check_ids(ids)?;
+        self.embed_tokens.fetch_missing(ids).await?;
+        self.embed_tokens.embed(ids, self.dtype, &self.device)
+    }
+
+    /// How the embeddings are held: `"dense"`, `"mapped"` or `"fetched"`.
+    pub fn embeddings_kind(&self) -> &'static str {
+        match *self.embed_tokens {
+            TokenEmbeddings::Dense(_) => "dense",
+            TokenEmbeddings::Mapped { .. } => "mapped",
+            TokenEmbeddings::Fetched { .. } => "fetched",
+        }
     }
 
     /// The final RMSNorm of the last layer's output.

@@ -24,7 +24,7 @@ use corolla_model::Checkpoint;
 use libp2p::multiaddr::Protocol;
 use libp2p::Multiaddr;
 
-pub use corolla_shared::manifest::{ClientFile, ClientManifest};
+pub use corolla_shared::manifest::{ClientFile, ClientManifest, RowsFile, TensorFile};
 
 use crate::config::ServerArgs;
 use crate::error::ServerError;
@@ -155,20 +155,51 @@ fn prepare_client_part(
             ServerError::Config(format!("cannot create a folder for the client part: {e}"))
         })?;
     let out = part_dir(&dir);
-    let names = corolla_model::convert::write_client_part(checkpoint, &out)?;
-    let files = names
-        .into_iter()
-        .map(|name| {
-            let path = out.join(&name);
-            let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-            let sha256 = sha256_file(&path)
-                .map_err(|e| ServerError::Config(format!("cannot read {}: {e}", path.display())))?;
-            Ok(ClientFile { name, size, sha256 })
+    let part = corolla_model::convert::write_page_part(checkpoint, &out)?;
+    let describe = |name: &str| -> Result<ClientFile, ServerError> {
+        let path = out.join(name);
+        let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let sha256 = sha256_file(&path)
+            .map_err(|e| ServerError::Config(format!("cannot read {}: {e}", path.display())))?;
+        Ok(ClientFile {
+            name: name.to_string(),
+            size,
+            sha256,
         })
+    };
+    let files = part
+        .files
+        .iter()
+        .map(|name| describe(name))
         .collect::<Result<Vec<_>, ServerError>>()?;
+    let (lm_head, embedding_rows) = match &part.split {
+        None => (None, None),
+        Some(split) => {
+            use corolla_model::quantized_buffer::ggml_dtype_name;
+            let format = split.rows_format;
+            let row_bytes = format.row_bytes().unwrap_or(0) as u64;
+            let rows = RowsFile {
+                file: split.rows.clone(),
+                size: row_bytes * format.rows as u64,
+                dtype: ggml_dtype_name(format.dtype).into(),
+                rows: format.rows as u64,
+                hidden: format.hidden as u64,
+                row_bytes,
+                digests: split.row_digests.clone(),
+            };
+            let head = TensorFile {
+                file: split.lm_head.clone(),
+                dtype: ggml_dtype_name(split.lm_head_dtype).into(),
+                shape: vec![format.rows as u64, format.hidden as u64],
+            };
+            (Some(head), Some(rows))
+        }
+    };
     let manifest = ClientManifest {
         model: model.to_string(),
         files,
+        lm_head,
+        embedding_rows,
     };
     let path = out.join(MANIFEST);
     let json =
