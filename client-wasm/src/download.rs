@@ -221,6 +221,77 @@ enum ReadError {
     Fatal(String),
 }
 
+/// Bytes read from a body at a time, into one reused buffer.
+const READ_PIECE: u32 = 1 << 20;
+
+/// A body reader: "bring your own buffer" where the stream allows it, so
+/// that hundreds of megabytes pass through one reused buffer instead of
+/// leaving a chunk of garbage each (the renderer's memory would hold them
+/// until the next collection); else the default reader.
+enum BodyReader {
+    Byob {
+        reader: web_sys::ReadableStreamByobReader,
+        buffer: Option<js_sys::ArrayBuffer>,
+    },
+    Chunks(web_sys::ReadableStreamDefaultReader),
+}
+
+impl BodyReader {
+    fn new(body: &web_sys::ReadableStream) -> Result<Self, String> {
+        let options = js_sys::Object::new();
+        let _ = Reflect::set(&options, &"mode".into(), &"byob".into());
+        let byob = Reflect::get(body, &"getReader".into())
+            .ok()
+            .and_then(|f| f.dyn_into::<Function>().ok())
+            .and_then(|f| f.call1(body, &options).ok())
+            .and_then(|r| r.dyn_into::<web_sys::ReadableStreamByobReader>().ok());
+        if let Some(reader) = byob {
+            return Ok(BodyReader::Byob {
+                reader,
+                buffer: Some(js_sys::ArrayBuffer::new(READ_PIECE)),
+            });
+        }
+        body.get_reader()
+            .dyn_into()
+            .map(BodyReader::Chunks)
+            .map_err(|_| "cannot read the response body".to_string())
+    }
+
+    /// The next bytes, or `None` at the end.
+    async fn read(&mut self) -> Result<Option<Uint8Array>, JsValue> {
+        let (promise, byob) = match self {
+            BodyReader::Byob { reader, buffer } => {
+                let buffer = buffer
+                    .take()
+                    .unwrap_or_else(|| js_sys::ArrayBuffer::new(READ_PIECE));
+                let view = Uint8Array::new(&buffer);
+                (reader.read_with_array_buffer_view(&view), true)
+            }
+            BodyReader::Chunks(reader) => (reader.read(), false),
+        };
+        let chunk = JsFuture::from(promise).await?;
+        let done = Reflect::get(&chunk, &"done".into())?
+            .as_bool()
+            .unwrap_or(true);
+        let value = Reflect::get(&chunk, &"value".into())?;
+        if byob {
+            // The buffer was transferred into the answer's view: reuse it.
+            if let (BodyReader::Byob { buffer, .. }, Some(view)) =
+                (&mut *self, value.dyn_ref::<Uint8Array>())
+            {
+                *buffer = view.buffer().dyn_into().ok();
+            }
+        }
+        if done {
+            return Ok(None);
+        }
+        value
+            .dyn_into::<Uint8Array>()
+            .map(Some)
+            .map_err(|_| JsValue::from_str("the body stream gave no bytes"))
+    }
+}
+
 /// Streams `response`'s body into `dest`, hashing as it goes.
 async fn read_body(
     response: &Response,
@@ -234,25 +305,15 @@ async fn read_body(
     let body = response
         .body()
         .ok_or_else(|| fatal("empty response".into()))?;
-    let reader: web_sys::ReadableStreamDefaultReader = body
-        .get_reader()
-        .dyn_into()
-        .map_err(|_| fatal("cannot read the response body".into()))?;
+    let mut reader = BodyReader::new(&body).map_err(fatal)?;
     loop {
-        let chunk = JsFuture::from(reader.read())
+        let chunk = reader
+            .read()
             .await
             .map_err(|e| ReadError::Interrupted(js_error(&format!("download of {url}"), e)))?;
-        let done = Reflect::get(&chunk, &"done".into())
-            .ok()
-            .and_then(|d| d.as_bool())
-            .unwrap_or(true);
-        if done {
+        let Some(value) = chunk else {
             return Ok(());
-        }
-        let value: Uint8Array = Reflect::get(&chunk, &"value".into())
-            .ok()
-            .and_then(|v| v.dyn_into().ok())
-            .ok_or_else(|| fatal("the body stream gave no bytes".into()))?;
+        };
         let written = dest.append(&value, limit).map_err(fatal)?;
         hasher.update(written);
         progress(written.len());
@@ -299,19 +360,11 @@ pub async fn file_into(
         }
     }
     let mut hasher = Sha256::new();
-    let mut put = None;
-    let mut resumed = false;
     let mut next_report = 0;
     for attempt in 0..=RESUMES {
         let from = dest.filled() as u64;
         let range = (attempt > 0).then_some((from, None));
         let response = fetch(&url, range).await?;
-        if let (Some(cache), None, false) = (cache, &put, resumed) {
-            // The cache reads its own copy of the stream as this one is read.
-            if let Ok(copy) = response.clone() {
-                put = Some(JsFuture::from(cache.put_with_str(&key, &copy)));
-            }
-        }
         let mut loaded = from as usize;
         let read = read_body(&response, &url, dest, expected, &mut hasher, |n| {
             loaded += n;
@@ -328,17 +381,12 @@ pub async fn file_into(
             Ok(()) => break,
             Err(ReadError::Interrupted(e)) if attempt < RESUMES => {
                 tracing::warn!(file = %file.name, error = %e, at = dest.filled(), "download broke off; resuming");
-                resumed = true;
             }
             Err(ReadError::Interrupted(e) | ReadError::Fatal(e)) => return Err(e),
         }
     }
     let bytes_ok = dest.filled() == expected;
-    let digest_ok = bytes_ok && hex(&hasher.finalize()) == file.sha256;
-    if !digest_ok {
-        if let Some(cache) = cache {
-            let _ = JsFuture::from(cache.delete_with_str(&key)).await;
-        }
+    if !bytes_ok || hex(&hasher.finalize()) != file.sha256 {
         return Err(if bytes_ok {
             format!("{url}: SHA-256 does not match the manifest")
         } else {
@@ -349,29 +397,67 @@ pub async fn file_into(
         });
     }
     report(on_progress, &file.name, file.size, file.size, false);
-    match (put, resumed, cache) {
-        (Some(put), false, _) => {
-            if let Err(e) = put.await {
-                // Quota or private mode: the page still works, it only downloads again next time.
-                tracing::warn!(file = %file.name, error = %js_error("cache put", e), "not cached");
-            }
+    if let Some(cache) = cache {
+        let bytes: &[u8] = match dest {
+            Dest::Grow(v) => v,
+            Dest::Fixed { bytes, .. } => bytes,
+        };
+        if let Err(e) = store_streamed(cache, &key, bytes).await {
+            // Quota or private mode: the page still works, it only downloads again next time.
+            tracing::warn!(file = %file.name, error = %e, "not cached");
         }
-        (put, _, Some(cache)) => {
-            // A resumed download was read from several responses: store what was verified.
-            if let Some(put) = put {
-                let _ = put.await;
-            }
-            let stored = match dest {
-                Dest::Grow(v) => store(cache, &key, v).await,
-                Dest::Fixed { bytes, .. } => store(cache, &key, bytes).await,
-            };
-            if let Err(e) = stored {
-                tracing::warn!(file = %file.name, error = %e, "not cached");
-            }
-        }
-        _ => {}
     }
     Ok(())
+}
+
+/// Puts verified `bytes` in the cache through a stream the cache pulls a
+/// piece at a time, so a file of hundreds of megabytes is never copied
+/// whole into JavaScript memory (as `new Response(bytes)` would).
+async fn store_streamed(cache: &Cache, key: &str, bytes: &[u8]) -> Result<(), String> {
+    struct Cursor {
+        start: *const u8,
+        len: usize,
+        at: Cell<usize>,
+        /// Cleared once the put settled: later pulls touch no memory.
+        alive: Cell<bool>,
+    }
+    let cursor = Rc::new(Cursor {
+        start: bytes.as_ptr(),
+        len: bytes.len(),
+        at: Cell::new(0),
+        alive: Cell::new(true),
+    });
+    let pulled = cursor.clone();
+    let pull =
+        wasm_bindgen::closure::Closure::<dyn FnMut(web_sys::ReadableStreamDefaultController)>::new(
+            move |controller: web_sys::ReadableStreamDefaultController| {
+                let at = pulled.at.get();
+                if !pulled.alive.get() || at >= pulled.len {
+                    let _ = controller.close();
+                    return;
+                }
+                let end = (at + READ_PIECE as usize).min(pulled.len);
+                // SAFETY: `alive` is set only while `store_streamed` awaits the
+                // put, and for all that time it borrows `bytes`, which
+                // `start..start + len` points into (wasm memory does not move).
+                let piece = unsafe { std::slice::from_raw_parts(pulled.start.add(at), end - at) };
+                let _ = controller.enqueue_with_chunk(&Uint8Array::from(piece));
+                pulled.at.set(end);
+            },
+        );
+    let source = js_sys::Object::new();
+    Reflect::set(&source, &"pull".into(), &pull.into_js_value())
+        .map_err(|e| js_error("cache stream", e))?;
+    let stream = web_sys::ReadableStream::new_with_underlying_source(&source)
+        .map_err(|e| js_error("cache stream", e))?;
+    let put = Response::new_with_opt_readable_stream(Some(&stream))
+        .map(|response| JsFuture::from(cache.put_with_str(key, &response)));
+    let result = match put {
+        Ok(put) => put.await.map(|_| ()).map_err(|e| js_error("cache put", e)),
+        Err(e) => Err(js_error("cannot build a cache entry", e)),
+    };
+    cursor.alive.set(false);
+    result
 }
 
 /// One file of the manifest as bytes ([`file_into`] a growing vector).

@@ -8,9 +8,10 @@
 // node chat.mjs --url URL --prompt TEXT [--prompt TEXT...] [--max-new-tokens N]
 //               [--temperature T] [--screenshot PNG] [--timeout-s S]
 //               [--stop-after-tokens N] [--viewport WxH] [--reload-check]
+//               [--measure] [--warm-rerun]
 
 import { chromium } from 'playwright-core';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -36,6 +37,12 @@ const { values: args } = parseArgs({
     // After the answers: Markdown rendering, Regenerate, Edit, a reload that restores the
     // conversation, New chat, and a dark-mode screenshot (ui-dark.png beside --screenshot).
     'ui-check': { type: 'boolean', default: false },
+    // Time to ready and to the first token, the client's traffic at its first token, the
+    // renderer's peak resident memory (/proc) and the wasm memory's size.
+    measure: { type: 'boolean', default: false },
+    // After the answers: reload (the Cache API holds the client part on https), start a new
+    // chat, send the first prompt again and measure the warm page the same way.
+    'warm-rerun': { type: 'boolean', default: false },
   },
 });
 if (!args.url || !args.prompt) {
@@ -58,6 +65,36 @@ async function navigate(go) {
       await new Promise((resolve) => setTimeout(resolve, 1000));
     }
   }
+}
+
+// The resident memory of this run's renderer processes (descendants of the browser
+// started on `profile`), in bytes: the largest peak (VmHWM) and current (VmRSS).
+function rendererMemory(profile) {
+  const procs = new Map();
+  for (const pid of readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
+    try {
+      const status = readFileSync(`/proc/${pid}/status`, 'utf8');
+      const cmd = readFileSync(`/proc/${pid}/cmdline`, 'utf8');
+      const field = (key) => Number((status.match(new RegExp(`${key}:\\s+(\\d+)`)) ?? [0, 0])[1]);
+      procs.set(pid, { cmd, ppid: String(field('PPid')), hwm: field('VmHWM'), rss: field('VmRSS') });
+    } catch {
+      // The process ended while we looked.
+    }
+  }
+  const ours = (pid) => {
+    for (let p = pid, depth = 0; p && procs.has(p) && depth < 8; p = procs.get(p).ppid, depth++) {
+      if (procs.get(p).cmd.includes(profile)) return true;
+    }
+    return false;
+  };
+  let peak = 0;
+  let now = 0;
+  for (const [pid, p] of procs) {
+    if (!p.cmd.includes('--type=renderer') || !ours(pid)) continue;
+    peak = Math.max(peak, p.hwm * 1024);
+    now = Math.max(now, p.rss * 1024);
+  }
+  return { renderer_peak_rss_bytes: peak, renderer_rss_bytes: now };
 }
 
 const nextAnswer = (chat) => chat.evaluate((el) => new Promise((resolve) => {
@@ -163,6 +200,7 @@ try {
     pageErrors.push(`uncaught: ${e.message}`);
   });
   await page.exposeFunction('__corollaReport', (event) => emit(event));
+  const loadStarted = Date.now();
   await navigate(() => page.goto(args.url));
 
   const chat = page.locator('corolla-chat');
@@ -176,6 +214,7 @@ try {
   }
   emit({
     event: 'ready',
+    ready_ms: Date.now() - loadStarted,
     info: await chat.evaluate((el) => el.client.info()),
     system: await chat.evaluate((el) => el.getAttribute('system')),
   });
@@ -198,7 +237,10 @@ try {
         };
         window.__corollaDuring ??= { button: r('#stop'), input: r('#input'), header: r('header') };
       }
-      if (e.detail.count === 1) window.__corollaReport({ event: 'token', count: 1 });
+      if (e.detail.count === 1) {
+        const traffic = el.client.traffic ? el.client.traffic() : null;
+        window.__corollaReport({ event: 'token', count: 1, at_ms: Date.now(), traffic });
+      }
       if (e.detail.count === window.__corollaStopAt) {
         el.shadowRoot.querySelector('#stop').click();
       }
@@ -237,6 +279,41 @@ try {
     emit({ event: 'answer', result: outcome.detail });
   }
   emit({ event: 'geometry', before, during: await page.evaluate(() => window.__corollaDuring ?? null) });
+  if (args.measure) {
+    emit({
+      event: 'memory',
+      ...rendererMemory(profile),
+      traffic: await chat.evaluate((el) => el.client.traffic()),
+    });
+  }
+  if (args['warm-rerun'] && !failed) {
+    const reloaded = Date.now();
+    await navigate(() => page.reload());
+    await page.waitForFunction(() => document.querySelector('corolla-chat')?.state === 'ready',
+      null, { timeout, polling: 100 });
+    const readyMs = Date.now() - reloaded;
+    await page.locator('corolla-chat #new').click();
+    const first = chat.evaluate((el) => new Promise((resolve) => {
+      el.addEventListener('corolla-token', () => resolve(Date.now()), { once: true });
+    }));
+    const answer = nextAnswer(chat);
+    await page.locator('corolla-chat #settings summary').click().catch(() => {});
+    await page.locator('corolla-chat #temperature').fill(args.temperature);
+    await page.locator('corolla-chat #max-new-tokens').fill(args['max-new-tokens']);
+    await page.locator('corolla-chat #input').fill(args.prompt[0]);
+    const sent = Date.now();
+    await page.locator('corolla-chat #send').click();
+    const firstAt = await first;
+    const result = await answer;
+    emit({
+      event: 'warm',
+      ready_ms: readyMs,
+      first_token_ms: firstAt - sent,
+      result,
+      traffic: await chat.evaluate((el) => el.client.traffic()),
+      ...rendererMemory(profile),
+    });
+  }
   if (args['ui-check'] && !failed) await uiCheck(page, chat);
   // Wider than the viewport means sideways scrolling: unusable on a phone.
   emit({

@@ -431,14 +431,25 @@ fn prefills_over_one_mib_cross_both_browser_transports() {
     }
 }
 
-#[test]
-fn https_page_reaches_the_swarm_over_wss() {
-    let _one = serial();
-    let Some(mut swarm) = ready("https and wss") else {
-        return;
-    };
-    let tmp = tempfile::tempdir().unwrap();
-    let (cert, key) = (tmp.path().join("cert.pem"), tmp.path().join("key.pem"));
+/// A self-signed certificate for `ip`, as `--tls-cert`/`--tls-key` take it.
+struct TestTls {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+}
+
+impl TestTls {
+    fn args(&self) -> [&str; 4] {
+        [
+            "--tls-cert",
+            self.cert.to_str().unwrap(),
+            "--tls-key",
+            self.key.to_str().unwrap(),
+        ]
+    }
+}
+
+fn test_certificate(dir: &Path, ip: &str) -> TestTls {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
     let made = std::process::Command::new("openssl")
         .args([
             "req",
@@ -449,7 +460,7 @@ fn https_page_reaches_the_swarm_over_wss() {
             "ec_paramgen_curve:prime256v1",
         ])
         .args(["-nodes", "-days", "2", "-subj", "/CN=corolla-test"])
-        .args(["-addext", &format!("subjectAltName=IP:{}", swarm.inner_ip)])
+        .args(["-addext", &format!("subjectAltName=IP:{ip}")])
         .arg("-keyout")
         .arg(&key)
         .arg("-out")
@@ -458,18 +469,19 @@ fn https_page_reaches_the_swarm_over_wss() {
         .status()
         .is_ok_and(|s| s.success());
     assert!(made, "openssl could not make a test certificate");
+    TestTls { cert, key }
+}
+
+#[test]
+fn https_page_reaches_the_swarm_over_wss() {
+    let _one = serial();
+    let Some(mut swarm) = ready("https and wss") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let tls = test_certificate(tmp.path(), &swarm.inner_ip);
     let model = tiny_llama();
-    swarm.start_page_server(
-        &model,
-        0,
-        4,
-        &[
-            "--tls-cert",
-            cert.to_str().unwrap(),
-            "--tls-key",
-            key.to_str().unwrap(),
-        ],
-    );
+    swarm.start_page_server(&model, 0, 4, &tls.args());
     let server = &swarm.servers[0];
     let http = server.http().expect("http").to_string();
     assert!(http.starts_with("https://"), "{http}");
@@ -503,4 +515,111 @@ fn https_page_reaches_the_swarm_over_wss() {
     assert_eq!(reload["model_files_fetched"], 0, "{reload}");
     let native = native_chat(&model, &server.tcp_addr(), prompt, None, 12);
     assert_same_tokens(&answer, &native);
+}
+
+/// What the page of a 70B-shaped model measured (see `page_holds_a_70b_head_light`).
+fn write_page_figures(name: &str, figures: &Value) {
+    let path = corolla_tests::browser::artifacts_dir().join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_vec_pretty(figures).unwrap()).unwrap();
+}
+
+const MB: f64 = 1e6;
+
+/// One server holding the one layer of a Llama-2-70B-shaped model (Q4_K,
+/// `corolla random-model`), over https so the page has its Cache API, at
+/// phone width: the page answers 16 greedy tokens identical to `corolla
+/// generate` against the same server, downloads at most 200 MB before its
+/// first token (the LM head, never the embedding table), keeps its wasm
+/// memory within 300 MB, and on a warm cache downloads nothing and gets its
+/// first token within 2 s beyond what the server computes. The renderer's
+/// resident memory is recorded too: headless Chromium's renderer takes
+/// ~260 MB for this page with a 1 MB model, so the 300 MB for the
+/// whole renderer is out of reach; the bound here catches a second copy of
+/// the head (a tee'd or copied download measured 742 MB).
+#[test]
+fn page_holds_a_70b_head_light() {
+    let _one = serial();
+    let Some(mut swarm) = ready("a 70B-shaped head in the page") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("llama-2-70b-1l.gguf");
+    let made = std::process::Command::new(corolla_tests::corolla_bin())
+        .args(["random-model", "--shape", "llama-2-70b", "--layers", "1"])
+        .args(["--quant", "q4_k", "--out"])
+        .arg(&model)
+        .output()
+        .expect("run corolla random-model");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let tls = test_certificate(tmp.path(), &swarm.inner_ip);
+    swarm.start_page_server(&model, 0, 1, &tls.args());
+    let server = &swarm.servers[0];
+    let http = server.http().expect("http").to_string();
+    let wss = server
+        .addr(|a| a.contains("/tls/ws"))
+        .expect("a /tls/ws address");
+    let prompt = "Tell me about the mountains of the moon.";
+    let run = run_page_with(
+        &format!("{http}/?bootstrap={wss}"),
+        &[prompt],
+        16,
+        "chat-page-llama-2-70b-phone",
+        &["--viewport", "390x844", "--measure", "--warm-rerun"],
+        || {},
+    );
+    let answer = first_answer(&run);
+    assert!(
+        run.fits_width(),
+        "the page scrolls sideways at 390 px: {:?}",
+        run.events
+    );
+    let info = run.ready_info().expect("ready");
+    assert_eq!(info["embeddings"], "fetched", "{info}");
+    assert_eq!(info["vocab_size"], 32000);
+    let native = native_chat(&model, &server.tcp_addr(), prompt, None, 16);
+    assert_same_tokens(&answer, &native);
+    assert_eq!(ids(&answer["generated_ids"]).len(), 16);
+
+    let first_token = event(&run, "token");
+    let before_first = first_token["traffic"]["downloaded_bytes"]
+        .as_f64()
+        .expect("traffic");
+    let memory = event(&run, "memory");
+    let warm = event(&run, "warm");
+    assert_same_tokens(&warm["result"], &native);
+    let peak_rss = memory["renderer_peak_rss_bytes"]
+        .as_f64()
+        .unwrap()
+        .max(warm["renderer_peak_rss_bytes"].as_f64().unwrap());
+    let wasm = warm["traffic"]["wasm_memory_bytes"].as_f64().unwrap();
+    // The server's own compute of the prompt, as the native client saw it.
+    let server_prefill_ms = native["prefill_seconds"].as_f64().unwrap_or(0.0) * 1000.0;
+    let warm_first_ms = warm["first_token_ms"].as_f64().unwrap();
+    let figures = serde_json::json!({
+        "shape": "llama-2-70b",
+        "downloaded_before_first_token_mb": before_first / MB,
+        "renderer_peak_rss_mb": peak_rss / MB,
+        "cold_renderer_peak_rss_mb": memory["renderer_peak_rss_bytes"].as_f64().unwrap_or(0.0) / MB,
+        "cold_renderer_rss_mb": memory["renderer_rss_bytes"].as_f64().unwrap_or(0.0) / MB,
+        "wasm_memory_mb": wasm / MB,
+        "cold_ready_ms": event(&run, "ready")["ready_ms"],
+        "warm_ready_ms": warm["ready_ms"],
+        "warm_first_token_ms": warm_first_ms,
+        "server_prefill_ms": server_prefill_ms,
+        "warm_downloaded_bytes": warm["traffic"]["downloaded_bytes"],
+        "rows_downloaded": memory["traffic"]["rows_downloaded"],
+    });
+    eprintln!("page figures: {figures}");
+    write_page_figures("page-llama-2-70b", &figures);
+    assert!(peak_rss > 0.0, "no renderer found in /proc: {memory}");
+    assert!(before_first <= 200.0 * MB, "{figures}");
+    assert!(wasm <= 300.0 * MB, "{figures}");
+    assert!(peak_rss <= 600.0 * MB, "{figures}");
+    assert!(warm_first_ms - server_prefill_ms <= 2000.0, "{figures}");
+    // Warm: everything came from the Cache API (the manifest aside).
+    assert_eq!(warm["traffic"]["downloaded_bytes"], 0, "{figures}");
 }
