@@ -685,52 +685,28 @@ fn metadata(spec: &RandomGguf, arch: &str, vocab: Vocabulary) -> Vec<(String, Me
         ),
         ("general.name".into(), MetaValue::Str(spec.name.clone())),
         (
-            key("context_length"),
-            MetaValue::U32(cfg.max_position_embeddings as u32),
-        ),
-        (
-            key("embedding_length"),
-            MetaValue::U32(cfg.hidden_size as u32),
-        ),
-        (
-            key("block_count"),
-            MetaValue::U32(cfg.num_hidden_layers as u32),
-        ),
-        (
-            key("feed_forward_length"),
-            MetaValue::U32(cfg.intermediate_size as u32),
-        ),
-        (
-            key("attention.head_count"),
-            MetaValue::U32(cfg.num_attention_heads as u32),
-        ),
-        (
-            key("attention.head_count_kv"),
-            MetaValue::U32(cfg.num_key_value_heads as u32),
-        ),
-        (
-            key("attention.key_length"),
-            MetaValue::U32(cfg.head_dim as u32),
-        ),
-        (
-            key("attention.value_length"),
-            MetaValue::U32(cfg.head_dim as u32),
-        ),
-        (
-            key("attention.layer_norm_rms_epsilon"),
-            MetaValue::F32(cfg.rms_norm_eps as f32),
-        ),
-        (key("rope.freq_base"), MetaValue::F32(cfg.rope_theta as f32)),
-        (
-            key("rope.dimension_count"),
-            MetaValue::U32(cfg.head_dim as u32),
-        ),
-        (key("vocab_size"), MetaValue::U32(cfg.vocab_size as u32)),
-        (
             "tokenizer.ggml.model".into(),
             MetaValue::Str(vocab.model.into()),
         ),
     ];
+    let sizes = [
+        ("context_length", cfg.max_position_embeddings),
+        ("embedding_length", cfg.hidden_size),
+        ("block_count", cfg.num_hidden_layers),
+        ("feed_forward_length", cfg.intermediate_size),
+        ("attention.head_count", cfg.num_attention_heads),
+        ("attention.head_count_kv", cfg.num_key_value_heads),
+        ("attention.key_length", cfg.head_dim),
+        ("attention.value_length", cfg.head_dim),
+        ("rope.dimension_count", cfg.head_dim),
+        ("vocab_size", cfg.vocab_size),
+    ];
+    m.extend(sizes.map(|(k, v)| (key(k), MetaValue::U32(v as u32))));
+    m.push((
+        key("attention.layer_norm_rms_epsilon"),
+        MetaValue::F32(cfg.rms_norm_eps as f32),
+    ));
+    m.push((key("rope.freq_base"), MetaValue::F32(cfg.rope_theta as f32)));
     if let RopeScaling::Linear { factor } = cfg.rope_scaling {
         m.push((key("rope.scaling.type"), MetaValue::Str("linear".into())));
         m.push((key("rope.scaling.factor"), MetaValue::F32(factor as f32)));
