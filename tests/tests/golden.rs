@@ -199,3 +199,143 @@ fn the_tokenizer_encodes_prompts_like_transformers() {
         }
     }
 }
+
+mod families {
+    //! Llama 3 (llama3 rope scaling), Qwen2 (Q/K/V biases, tied embeddings)
+    //! and Mistral (a sliding window of 8, shorter than the prompts) against
+    //! transformers (`tests/reference/families_reference.py`), from their
+    //! transformers folders and from GGUF files written as llama.cpp does.
+
+    use corolla_model::config::Family;
+    use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, Tensor};
+    use corolla_tests::{fixtures_dir, generate_local};
+    use serde_json::Value;
+
+    const FAMILIES: [(&str, Family); 3] = [
+        ("llama3", Family::Llama),
+        ("qwen2", Family::Qwen2),
+        ("mistral", Family::Mistral),
+    ];
+
+    fn golden() -> Value {
+        let path = fixtures_dir().join("families/golden.json");
+        serde_json::from_slice(&std::fs::read(path).expect("golden.json")).expect("JSON")
+    }
+
+    fn ids(v: &Value) -> Vec<u32> {
+        v.as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect()
+    }
+
+    /// `family`'s checkpoint: the transformers folder, or with `gguf` the
+    /// same weights as llama.cpp's converter writes them.
+    fn load(
+        family: &str,
+        gguf: bool,
+        ranges: &[(usize, usize)],
+    ) -> (Checkpoint, ClientHead, Vec<BlockSpan>) {
+        let name = if gguf {
+            format!("{family}.gguf")
+        } else {
+            family.to_string()
+        };
+        let ck = Checkpoint::open(fixtures_dir().join("families").join(name)).unwrap();
+        let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
+        let spans = ranges
+            .iter()
+            .map(|&(a, b)| BlockSpan::load(&ck, a, b, DType::F32, &Device::Cpu).unwrap())
+            .collect();
+        (ck, head, spans)
+    }
+
+    #[test]
+    fn each_family_generates_what_transformers_generates_in_one_and_three_spans() {
+        let golden = golden();
+        for ((family, kind), gguf) in FAMILIES.into_iter().flat_map(|f| [(f, false), (f, true)]) {
+            for ranges in [&[(0, 3)][..], &[(0, 1), (1, 2), (2, 3)]] {
+                let (ck, head, spans) = load(family, gguf, ranges);
+                // llama.cpp stores Mistral as `llama` (its window as a key).
+                let kind = if gguf && kind == Family::Mistral {
+                    Family::Llama
+                } else {
+                    kind
+                };
+                assert_eq!(ck.config().family, kind, "{family} gguf: {gguf}");
+                for run in golden["families"][family].as_array().unwrap() {
+                    let prompt = ids(&run["prompt_ids"]);
+                    let want = ids(&run["generated_ids"]);
+                    let got =
+                        generate_local(&head, &spans, &prompt, want.len(), Default::default());
+                    assert_eq!(
+                        got,
+                        want,
+                        "{family} gguf: {gguf} {ranges:?} prompt of {}",
+                        prompt.len()
+                    );
+                    // The last position's logits of a plain forward.
+                    let mut hidden = head.embed(&prompt).unwrap();
+                    for span in &spans {
+                        let mut cache = span.new_cache(prompt.len()).unwrap();
+                        hidden = span.forward(&hidden, 0, &mut cache).unwrap();
+                    }
+                    let logits = head.last_logits(&hidden).unwrap();
+                    let expected: Vec<f32> = run["last_logits"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_f64().unwrap() as f32)
+                        .collect();
+                    let expected = Tensor::new(expected, &Device::Cpu).unwrap();
+                    let err = corolla_tests::relative_l2(&logits, &expected);
+                    assert!(
+                        err < 1e-4,
+                        "{family} gguf: {gguf}: logits relative error {err}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// What a server runs: decode steps through `forward_decode_batch` (the
+    /// one-pass attention, with Mistral's window) after a prefill.
+    #[test]
+    fn each_family_decodes_through_the_batched_path_as_transformers_does() {
+        let golden = golden();
+        for ((family, _), gguf) in FAMILIES.into_iter().flat_map(|f| [(f, false), (f, true)]) {
+            let (_, head, spans) = load(family, gguf, &[(0, 3)]);
+            let span = &spans[0];
+            for run in golden["families"][family].as_array().unwrap() {
+                let prompt = ids(&run["prompt_ids"]);
+                let want = ids(&run["generated_ids"]);
+                let mut cache = span.new_cache(prompt.len() + want.len()).unwrap();
+                let hidden = span
+                    .forward(&head.embed(&prompt).unwrap(), 0, &mut cache)
+                    .unwrap();
+                let mut token = argmax(&head.last_logits(&hidden).unwrap());
+                let mut got = vec![token];
+                while got.len() < want.len() {
+                    let position = prompt.len() + got.len() - 1;
+                    let input = head.embed(&[token]).unwrap();
+                    let out = span
+                        .forward_decode_batch(&mut [(input, position, &mut cache)])
+                        .unwrap();
+                    token = argmax(&head.last_logits(&out[0]).unwrap());
+                    got.push(token);
+                }
+                assert_eq!(
+                    got,
+                    want,
+                    "{family} gguf: {gguf}: prompt of {}",
+                    prompt.len()
+                );
+            }
+        }
+    }
+
+    fn argmax(logits: &Tensor) -> u32 {
+        logits.argmax(0).unwrap().to_scalar::<u32>().unwrap()
+    }
+}

@@ -178,3 +178,46 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
     assert_eq!(view["complete"], false);
     assert_eq!(view["uncovered"], serde_json::json!([[3, 4]]));
 }
+
+/// Llama 3, Qwen2 and Mistral (tests/fixtures/families) through three
+/// servers of one block each: the text prompt's ids and the 24 greedy tokens
+/// are transformers' (tests/reference/families_reference.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_family_through_three_servers_generates_what_transformers_generates() {
+    let golden: Value = serde_json::from_slice(
+        &std::fs::read(corolla_tests::fixtures_dir().join("families/golden.json")).unwrap(),
+    )
+    .unwrap();
+    for family in ["llama3", "qwen2", "mistral"] {
+        let model = corolla_tests::fixtures_dir().join("families").join(family);
+        let flags = ["--update-period", "2s", "--inference-max-length", "256"];
+        let first = corolla_tests::start_model_server(&model, "0:1", None, &flags).await;
+        let peers = bootstrap(std::slice::from_ref(&first));
+        let second = corolla_tests::start_model_server(&model, "1:2", Some(&peers), &flags).await;
+        let third = corolla_tests::start_model_server(&model, "2:3", Some(&peers), &flags).await;
+        let run = &golden["families"][family][0];
+        let out = corolla(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "--max-new-tokens",
+            "24",
+            "--initial-peers",
+            &peers,
+            "--prompt",
+            run["prompt"].as_str().unwrap(),
+        ])
+        .await;
+        assert_eq!(out["prompt_ids"], run["prompt_ids"], "{family}");
+        assert_eq!(out["generated_ids"], run["generated_ids"], "{family}");
+        assert_eq!(
+            out["route"].as_array().map(Vec::len),
+            Some(3),
+            "{family}: {out}"
+        );
+        for server in [first, second, third] {
+            server.shutdown();
+        }
+    }
+}
