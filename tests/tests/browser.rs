@@ -431,6 +431,44 @@ fn prefills_over_one_mib_cross_both_browser_transports() {
     }
 }
 
+/// Mistral (a sliding window of 8, shorter than the chat prompt; from
+/// tests/fixtures/families) in the page through two servers: the page's
+/// answer equals `corolla generate`'s, whose tokens the swarm test checks
+/// against transformers.
+#[test]
+fn page_answers_a_mistral_model_as_the_native_client_does() {
+    let _one = serial();
+    let Some(mut swarm) = ready("a Mistral model in the page") else {
+        return;
+    };
+    let model = corolla_tests::fixtures_dir().join("families/mistral");
+    swarm.start_page_server(&model, 0, 2, &[]);
+    swarm.start_server(&model, 2, 3, &[]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let prompt = "Where do the rivers of the mountains go?";
+    let run = run_page(
+        &format!("{http}/?transport=websocket"),
+        &[prompt],
+        12,
+        "chat-page-mistral",
+        || {},
+    );
+    let answer = first_answer(&run);
+    assert!(
+        ids(&answer["prompt_ids"]).len() > 8,
+        "the prompt must outrun the window"
+    );
+    let native = native_chat(
+        &model,
+        &swarm.servers[0].tcp_addr(),
+        prompt,
+        run.system().as_deref(),
+        12,
+    );
+    assert_same_tokens(&answer, &native);
+    assert_route_covers(&answer, 3);
+}
+
 /// A self-signed certificate for `ip`, as `--tls-cert`/`--tls-key` take it.
 struct TestTls {
     cert: std::path::PathBuf,
