@@ -50,11 +50,65 @@ struct HttpState {
     http: String,
     browser_addresses: Vec<String>,
     /// Keeps the client part's folder alive as long as the server.
-    _client_dir_guard: tempfile::TempDir,
+    _client_dir_guard: ClientPartDir,
+}
+
+/// The folder holding the client part, removed when the server stops; its
+/// lock file, held for the server's life, tells a later server whether the
+/// folder was left behind by one that died (a 70B model's part is 0.3–1.4 GB).
+struct ClientPartDir {
+    dir: tempfile::TempDir,
+    _lock: std::fs::File,
+}
+
+impl ClientPartDir {
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+const PART_PREFIX: &str = "corolla-client-part-";
+const PART_LOCK: &str = ".lock";
+
+/// Removes the client-part folders in `tmp` whose server is gone: their
+/// lock is free (or, from versions without one, they are over a day old).
+fn sweep_stale_parts(tmp: &Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let ours = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(PART_PREFIX));
+        if !ours || !path.is_dir() {
+            continue;
+        }
+        let stale = match std::fs::File::open(path.join(PART_LOCK)) {
+            Ok(lock) => lock.try_lock().is_ok(),
+            Err(_) => entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > std::time::Duration::from_secs(24 * 3600)),
+        };
+        if stale {
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => {
+                    tracing::info!(path = %path.display(), "removed a client part left by a server that died")
+                }
+                Err(e) => {
+                    tracing::debug!(path = %path.display(), error = %e, "cannot remove a stale client part")
+                }
+            }
+        }
+    }
 }
 
 /// Where the client part's files (and its manifest) are, inside the guard's folder.
-fn part_dir(guard: &tempfile::TempDir) -> PathBuf {
+fn part_dir(guard: &ClientPartDir) -> PathBuf {
     guard.path().join("part")
 }
 
@@ -144,16 +198,18 @@ struct HttpConfig {
 
 /// Writes the client part of `checkpoint`, and `manifest.json` describing
 /// it, into a folder owned by the server.
-fn prepare_client_part(
-    checkpoint: &Checkpoint,
-    model: &str,
-) -> Result<tempfile::TempDir, ServerError> {
+fn prepare_client_part(checkpoint: &Checkpoint, model: &str) -> Result<ClientPartDir, ServerError> {
+    sweep_stale_parts(&std::env::temp_dir());
+    let failed = |e: std::io::Error| {
+        ServerError::Config(format!("cannot create a folder for the client part: {e}"))
+    };
     let dir = tempfile::Builder::new()
-        .prefix("corolla-client-part-")
+        .prefix(PART_PREFIX)
         .tempdir()
-        .map_err(|e| {
-            ServerError::Config(format!("cannot create a folder for the client part: {e}"))
-        })?;
+        .map_err(failed)?;
+    let lock = std::fs::File::create(dir.path().join(PART_LOCK)).map_err(failed)?;
+    lock.lock().map_err(failed)?;
+    let dir = ClientPartDir { dir, _lock: lock };
     let out = part_dir(&dir);
     let part = corolla_model::convert::write_page_part(checkpoint, &out)?;
     let describe = |name: &str| -> Result<ClientFile, ServerError> {
@@ -216,7 +272,7 @@ const MANIFEST: &str = "manifest.json";
 async fn serve(
     config: HttpConfig,
     host: Arc<SpanHost>,
-    client_part: tempfile::TempDir,
+    client_part: ClientPartDir,
 ) -> Result<(SocketAddr, String, JoinHandle<()>), ServerError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -287,4 +343,42 @@ async fn no_page() -> (StatusCode, Html<&'static str>) {
              Its status is at <a href=\"/api/status\">/api/status</a>.</p>",
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_parts_whose_server_is_gone_are_swept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let make = |name: &str| {
+            let dir = tmp.path().join(name);
+            std::fs::create_dir_all(dir.join("part")).unwrap();
+            std::fs::File::create(dir.join(PART_LOCK)).unwrap()
+        };
+        let live = make("corolla-client-part-live");
+        live.lock().unwrap();
+        drop(make("corolla-client-part-dead"));
+        std::fs::create_dir(
+            tmp.path()
+                .join("corolla-client-part-fresh-unlocked-old-version"),
+        )
+        .unwrap();
+        std::fs::create_dir(tmp.path().join("someone-else")).unwrap();
+        sweep_stale_parts(tmp.path());
+        let left: std::collections::BTreeSet<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        let expected: std::collections::BTreeSet<String> = [
+            "corolla-client-part-live",
+            "corolla-client-part-fresh-unlocked-old-version",
+            "someone-else",
+        ]
+        .map(String::from)
+        .into();
+        assert_eq!(left, expected);
+        drop(live);
+    }
 }
