@@ -1,7 +1,9 @@
 //! The server's HTTP side (`--http-port`): the built web chat page, the
 //! client part of its model for browsers (config, tokenizer, embeddings,
 //! final norm, LM head, listed with sizes and SHA-256 in a manifest so a page
-//! can show progress and cache by digest), and a JSON status. Only GET; CORS
+//! can show progress and cache by digest; an untied quantized model's LM head
+//! and embedding table as raw tensors, the table read by range a row at a
+//! time), and a JSON status. Only GET; CORS
 //! is open, since an embedded widget fetches from other sites' pages.
 //! Connections and requests are bounded by `http_guard`.
 
