@@ -23,6 +23,7 @@ mod linear;
 pub mod quantized_buffer;
 pub mod random;
 pub mod random_gguf;
+mod random_vocab;
 pub mod rope;
 pub mod sampler;
 pub mod span;
