@@ -441,6 +441,8 @@ export class CorollaChat extends HTMLElement {
         let mod;
         try { mod = await loadWasm(); }
         catch (e) { throw new StageError('Could not load the WebAssembly client', e); }
+        // Marks on the page's timeline, for profilers and the tests' long-task figures.
+        performance.mark('corolla-wasm-loaded');
         try {
           this.#client = await mod.CorollaClient.load(this.#config.server, (p) => this.#showProgress(p));
         } catch (e) {
@@ -448,6 +450,7 @@ export class CorollaChat extends HTMLElement {
         } finally {
           this.#q('#progress').hidden = true;
         }
+        performance.mark('corolla-model-loaded');
         const info = this.#client.info();
         this.#q('#model').textContent = info.model;
         this.#q('#model').title = `${info.model}: ${info.num_layers} blocks, ` +
@@ -462,6 +465,7 @@ export class CorollaChat extends HTMLElement {
       let addresses;
       try { addresses = await this.#connect(); }
       catch (e) { throw new StageError('Cannot connect', e); }
+      performance.mark('corolla-connected');
       this.#setState('ready');
       this.#startKeepAlive();
       this.#emit('corolla-ready', { model: this.#client.info().model, addresses });

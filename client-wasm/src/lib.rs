@@ -1,58 +1,56 @@
 //! Corolla in the browser: a wasm-bindgen API over the same client core as
-//! the CLI. The page downloads the client part of the model (embeddings,
-//! final norm, LM head, tokenizer), joins the swarm over WebRTC-direct or
-//! WebSocket, and generates: tokenization, embedding, sampling and
-//! detokenization run here; the decoder blocks run on the servers.
+//! the CLI. A Web Worker running this same module downloads the client part
+//! of the model (tokenizer, final norm, LM head, embeddings or the rows it
+//! needs) and does tokenization, embedding, sampling and detokenization
+//! ([`worker`]); the page's thread joins the swarm over WebRTC-direct or
+//! WebSocket (browsers offer WebRTC only to pages) and runs the generate
+//! loop, moving hidden states between the servers and the worker
+//! ([`head_worker`]), so it never blocks on the head's arithmetic.
 //!
 //! JavaScript sees one class, `CorollaClient` (see `web/README.md`).
 //! The crate is empty on other targets.
 #![cfg(target_arch = "wasm32")]
 
 mod download;
+mod head_worker;
+mod part;
+mod protocol;
 mod swarm;
+mod worker;
 
 use std::cell::{Cell, RefCell};
 use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::time::Duration;
 
-use corolla_client::assistant::ClientPart;
-use corolla_client::{
-    Assistant, ChatMessage, Conversation, GenerateRequest, SessionSettings, TextStream,
-};
-use corolla_model::embeddings::RowFormat;
-use corolla_model::quantized_buffer::{parse_ggml_dtype, QuantizedBuffer};
-use corolla_model::{Checkpoint, DType, QuantizedWeights, SamplingParams};
+use corolla_client::{Blocks, ChatMessage, Conversation, GenerateRequest, SessionSettings};
+use corolla_model::{DType, Device, LlamaConfig, SamplingParams};
 use corolla_shared::flow::BROWSER_WINDOW;
-use corolla_shared::manifest::{ClientManifest, MAX_PART_BYTES};
 use corolla_shared::session::StepTimeout;
 use js_sys::{Function, Promise};
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 
+use head_worker::HeadWorker;
+use protocol::Sampling;
+
 /// Limits on what a page may ask for: the servers bound sessions too, but
 /// a typo should fail here with a clear message.
 const MAX_NEW_TOKENS: usize = 4096;
 
-/// The model before the page joins a swarm, and the assistant after.
-enum Model {
-    Loaded(Box<ClientPart>),
-    Joined(Rc<Assistant>),
-    /// Only while switching from one to the other.
-    Switching,
-}
-
 struct Inner {
     model: String,
     info: InfoJs,
-    state: RefCell<Model>,
+    config: LlamaConfig,
+    head: HeadWorker,
+    /// The swarm, once joined.
+    blocks: RefCell<Option<Rc<Blocks>>>,
     /// The page's conversation: its server sessions stay open between
     /// turns, and an edited or regenerated message rewinds them.
     conversation: RefCell<Conversation>,
     stop: Cell<bool>,
     busy: Cell<bool>,
-    traffic: download::TrafficCounter,
 }
 
 #[wasm_bindgen]
@@ -95,7 +93,7 @@ struct InfoJs {
     vocab_size: usize,
     max_positions: usize,
     /// How the page holds the embeddings: "dense", or "fetched" by rows.
-    embeddings: &'static str,
+    embeddings: String,
 }
 
 #[derive(Serialize)]
@@ -118,6 +116,14 @@ struct AnswerJs<'a> {
 
 fn error(message: impl std::fmt::Display) -> JsValue {
     js_sys::Error::new(&message.to_string()).into()
+}
+
+/// The size of this instance's wasm memory (the page's or the worker's).
+fn wasm_memory_bytes() -> f64 {
+    wasm_bindgen::memory()
+        .dyn_into::<js_sys::WebAssembly::Memory>()
+        .map(|m| js_sys::ArrayBuffer::from(m.buffer()).byte_length() as f64)
+        .unwrap_or(0.0)
 }
 
 fn to_js<T: Serialize>(value: &T) -> Result<JsValue, JsValue> {
@@ -151,124 +157,61 @@ fn browser_sessions(model: &str) -> SessionSettings {
 
 #[wasm_bindgen]
 impl CorollaClient {
-    /// Downloads (or takes from the browser cache) the client part that the
-    /// Corolla server at `server_url` serves, and builds tokenizer, chat
-    /// template and head. `on_progress({file, loaded, total, cached})`.
+    /// Starts the head worker, which downloads (or takes from the browser
+    /// cache) the client part that the Corolla server at `server_url`
+    /// serves and builds tokenizer, chat template and head.
+    /// `on_progress({file, loaded, total, cached})`.
     pub async fn load(server_url: String, on_progress: Function) -> Result<CorollaClient, JsValue> {
-        let base = server_url.trim_end_matches('/');
-        let manifest = download::manifest(base).await.map_err(error)?;
-        let cache = download::open_cache().await;
-        let traffic = download::TrafficCounter::default();
-        let lm_head_file = manifest.lm_head.as_ref().map(|h| h.file.as_str());
-        let digests_file = manifest.embedding_rows.as_ref().map(|r| r.digests.as_str());
-        let mut files = Vec::with_capacity(manifest.files.len());
-        let mut lm_head = None;
-        let mut digests = None;
-        for file in &manifest.files {
-            if Some(file.name.as_str()) == lm_head_file {
-                // Streamed straight into the quantized tensor's storage.
-                let mut buffer = lm_head_buffer(&manifest).map_err(error)?;
-                let mut dest = download::Dest::Fixed {
-                    bytes: buffer.bytes_mut(),
-                    filled: 0,
-                };
-                download::file_into(
-                    base,
-                    file,
-                    cache.as_ref(),
-                    &on_progress,
-                    &traffic,
-                    &mut dest,
-                )
-                .await
-                .map_err(error)?;
-                lm_head = Some(buffer.into_qtensor().map_err(error)?);
-                continue;
-            }
-            let bytes = download::file(base, file, cache.as_ref(), &on_progress, &traffic)
-                .await
-                .map_err(error)?;
-            if Some(file.name.as_str()) == digests_file {
-                digests = Some(bytes);
-            } else {
-                files.push((file.name.clone(), bytes));
-            }
-        }
-        let checkpoint = Checkpoint::from_memory(files)
-            .map_err(error)?
-            // As the CLI does, so that both compute the same logits.
-            .with_quantized_weights(QuantizedWeights::Auto);
-        let part = match (&manifest.embedding_rows, lm_head, digests) {
-            (Some(rows), Some(lm_head), Some(digests)) => {
-                let format = RowFormat {
-                    dtype: parse_ggml_dtype(&rows.dtype).map_err(error)?,
-                    rows: rows.rows as usize,
-                    hidden: rows.hidden as usize,
-                };
-                if format.row_bytes() != Some(rows.row_bytes as usize) {
-                    return Err(error(format!(
-                        "embedding rows of {} bytes are not {} {} values",
-                        rows.row_bytes, rows.hidden, rows.dtype
-                    )));
-                }
-                let source =
-                    download::RowSource::new(base, rows, digests, cache.clone(), traffic.clone())
-                        .map_err(error)?;
-                ClientPart::load_split(&checkpoint, DType::F32, lm_head, format, Box::new(source))
-            }
-            (None, None, None) => ClientPart::load(&checkpoint, DType::F32),
-            _ => {
-                return Err(error(
-                    "the manifest lists an LM head or embedding rows without the other",
-                ))
-            }
-        }
-        .map_err(error)?;
-        drop(checkpoint);
-        let cfg = part.head.config();
+        let head = HeadWorker::spawn().await.map_err(error)?;
+        let loaded = head
+            .load(server_url.trim_end_matches('/'), on_progress)
+            .await
+            .map_err(error)?;
+        let cfg = &loaded.config;
         let info = InfoJs {
-            model: manifest.model.clone(),
+            model: loaded.model.clone(),
             num_layers: cfg.num_hidden_layers,
             hidden_size: cfg.hidden_size,
             vocab_size: cfg.vocab_size,
             max_positions: cfg.max_position_embeddings,
-            embeddings: part.head.embeddings_kind(),
+            embeddings: loaded.embeddings,
         };
         Ok(CorollaClient {
             inner: Rc::new(Inner {
-                model: manifest.model,
+                model: loaded.model,
                 info,
-                state: RefCell::new(Model::Loaded(Box::new(part))),
+                config: loaded.config,
+                head,
+                blocks: RefCell::new(None),
                 conversation: RefCell::new(Conversation::new()),
                 stop: Cell::new(false),
                 busy: Cell::new(false),
-                traffic,
             }),
         })
     }
 
-    /// What the page has fetched: `{downloaded_bytes, cached_bytes,
-    /// rows_downloaded, rows_cached}`, and the wasm memory's size.
-    pub fn traffic(&self) -> Result<JsValue, JsValue> {
-        #[derive(Serialize)]
-        struct TrafficJs {
-            #[serde(flatten)]
-            traffic: download::Traffic,
-            wasm_memory_bytes: f64,
-        }
-        let traffic = self.inner.traffic.take();
-        self.inner.traffic.set(traffic.clone());
-        let memory = wasm_bindgen::memory()
-            .dyn_into::<js_sys::WebAssembly::Memory>()
-            .map(|m| js_sys::ArrayBuffer::from(m.buffer()).byte_length() as f64)
-            .unwrap_or(0.0);
-        to_js(&TrafficJs {
-            traffic,
-            wasm_memory_bytes: memory,
+    /// Resolves with what the page has fetched, `{downloaded_bytes,
+    /// cached_bytes, rows_downloaded, rows_cached}`, and the wasm memory of
+    /// the worker and of the page (`worker_memory_bytes`,
+    /// `page_memory_bytes`, and their sum `wasm_memory_bytes`).
+    pub fn traffic(&self) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let traffic = inner.head.traffic().await.map_err(error)?;
+            let worker = js_sys::Reflect::get(&traffic, &"wasm_memory_bytes".into())?
+                .as_f64()
+                .unwrap_or(0.0);
+            let page = wasm_memory_bytes();
+            let set =
+                |key: &str, value: f64| js_sys::Reflect::set(&traffic, &key.into(), &value.into());
+            set("worker_memory_bytes", worker)?;
+            set("page_memory_bytes", page)?;
+            set("wasm_memory_bytes", worker + page)?;
+            Ok(traffic)
         })
     }
 
-    /// `{model, num_layers, hidden_size, vocab_size, max_positions}`.
+    /// `{model, num_layers, hidden_size, vocab_size, max_positions, embeddings}`.
     pub fn info(&self) -> Result<JsValue, JsValue> {
         to_js(&self.inner.info)
     }
@@ -283,22 +226,21 @@ impl CorollaClient {
                 return Err(error("cannot join another swarm while answering"));
             }
             let node = swarm::connect(&bootstrap).await.map_err(error)?;
-            let part = match inner.state.replace(Model::Switching) {
-                Model::Loaded(part) => *part,
-                Model::Joined(assistant) => match Rc::try_unwrap(assistant) {
-                    Ok(assistant) => assistant.into_part(),
-                    Err(shared) => {
-                        inner.state.replace(Model::Joined(shared));
-                        return Err(error("cannot join another swarm while answering"));
-                    }
-                },
-                Model::Switching => return Err(error("already joining a swarm")),
-            };
-            let assistant =
-                Assistant::on_swarm(part, node, browser_sessions(&inner.model)).map_err(error)?;
-            inner.state.replace(Model::Joined(Rc::new(assistant)));
+            let blocks = Blocks::swarm(
+                node,
+                browser_sessions(&inner.model),
+                &inner.config,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .map_err(error)?;
+            if inner.busy.get() {
+                return Err(error("cannot join another swarm while answering"));
+            }
+            inner.blocks.replace(Some(Rc::new(blocks)));
             // Sessions on the old swarm are of no use any more.
-            inner.conversation.replace(Conversation::new());
+            let old = inner.conversation.replace(Conversation::new());
+            old.close().await;
             Ok(JsValue::UNDEFINED)
         })
     }
@@ -310,11 +252,11 @@ impl CorollaClient {
     pub fn chat(&self, messages: JsValue, settings: JsValue, on_token: Function) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
-            let assistant = joined(&inner)?;
+            let blocks = joined(&inner)?;
             let messages: Vec<ChatMessage> = serde_wasm_bindgen::from_value(messages)
                 .map_err(|e| error(format!("messages must be [{{role, content}}]: {e}")))?;
-            let prompt_ids = assistant.chat_prompt(&messages).map_err(error)?;
-            answer(&inner, &assistant, prompt_ids, settings, on_token).await
+            let prompt_ids = inner.head.chat_prompt(messages).await.map_err(error)?;
+            answer(&inner, &blocks, prompt_ids, settings, on_token).await
         })
     }
 
@@ -322,9 +264,9 @@ impl CorollaClient {
     pub fn complete(&self, prompt: String, settings: JsValue, on_token: Function) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
-            let assistant = joined(&inner)?;
-            let prompt_ids = assistant.tokenizer().encode(&prompt).map_err(error)?;
-            answer(&inner, &assistant, prompt_ids, settings, on_token).await
+            let blocks = joined(&inner)?;
+            let prompt_ids = inner.head.encode(prompt).await.map_err(error)?;
+            answer(&inner, &blocks, prompt_ids, settings, on_token).await
         })
     }
 
@@ -367,22 +309,12 @@ impl CorollaClient {
     }
 }
 
-fn joined(inner: &Inner) -> Result<Rc<Assistant>, JsValue> {
-    match &*inner.state.borrow() {
-        Model::Joined(assistant) => Ok(assistant.clone()),
-        _ => Err(error("not connected: call connect() first")),
-    }
-}
-
-/// The LM head's storage, sized by the manifest (bounded by its parser).
-fn lm_head_buffer(manifest: &ClientManifest) -> Result<QuantizedBuffer, String> {
-    let head = manifest
-        .lm_head
-        .as_ref()
-        .ok_or("no LM head in the manifest")?;
-    let dtype = parse_ggml_dtype(&head.dtype).map_err(|e| e.to_string())?;
-    let shape: Vec<usize> = head.shape.iter().map(|&d| d as usize).collect();
-    QuantizedBuffer::new(dtype, &shape, MAX_PART_BYTES).map_err(|e| e.to_string())
+fn joined(inner: &Inner) -> Result<Rc<Blocks>, JsValue> {
+    inner
+        .blocks
+        .borrow()
+        .clone()
+        .ok_or_else(|| error("not connected: call connect() first"))
 }
 
 /// Clears the busy flag however the answer ends.
@@ -401,7 +333,7 @@ fn fresh_seed() -> u64 {
 
 async fn answer(
     inner: &Inner,
-    assistant: &Assistant,
+    blocks: &Blocks,
     prompt_ids: Vec<u32>,
     settings: JsValue,
     on_token: Function,
@@ -423,30 +355,27 @@ async fn answer(
     }
     let _busy = BusyGuard(&inner.busy);
     inner.stop.set(false);
-    let seed = settings.seed.unwrap_or_else(fresh_seed);
+    let sampling = Sampling {
+        temperature: settings.temperature,
+        top_k: settings.top_k,
+        top_p: settings.top_p,
+        seed: settings.seed.unwrap_or_else(fresh_seed),
+    };
     let request = GenerateRequest {
         prompt_ids,
         max_new_tokens: settings.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: settings.temperature,
-            top_k: settings.top_k,
-            top_p: settings.top_p,
-            repetition_penalty: 1.0,
-            seed,
-        },
+        sampling: SamplingParams::from(&sampling),
         stop_at_eos: settings.stop_at_eos,
     };
-    let tokenizer = assistant.tokenizer();
-    let mut stream = TextStream::default();
-    let mut callback_error = None;
+    let seed = sampling.seed;
+    let piece = RefCell::new(String::new());
+    let mut head = inner
+        .head
+        .begin(&inner.config, sampling, &piece)
+        .await
+        .map_err(error)?;
     let on_token = |token: u32| {
-        let piece = match stream.push(tokenizer, token) {
-            Ok(piece) => piece.unwrap_or_default(),
-            Err(e) => {
-                callback_error = Some(e.to_string());
-                return ControlFlow::Break(());
-            }
-        };
+        let piece = piece.take();
         if let Err(e) = on_token.call2(&JsValue::NULL, &piece.into(), &token.into()) {
             tracing::warn!(error = ?e, "the token callback threw");
         }
@@ -458,16 +387,17 @@ async fn answer(
     };
     // Out of the cell while answering: nothing else can touch it (busy).
     let mut conversation = inner.conversation.take();
-    let answer = assistant
-        .answer(&mut conversation, &request, on_token)
+    let answer = blocks
+        .answer(&mut head, &mut conversation, &request, on_token)
         .await;
     inner.conversation.replace(conversation);
     let answer = answer.map_err(error)?;
-    if let Some(e) = callback_error {
-        return Err(error(e));
-    }
     let output = &answer.output;
-    let text = tokenizer.decode(&output.generated_ids).map_err(error)?;
+    let text = inner
+        .head
+        .decode(output.generated_ids.clone())
+        .await
+        .map_err(error)?;
     to_js(&AnswerJs {
         text,
         prompt_ids: &output.prompt_ids,

@@ -11,13 +11,13 @@ use corolla_model::embeddings::{RowFetch, RowFormat};
 use corolla_model::fingerprint::{block_hashes, default_model_name};
 use corolla_model::quantized::QTensor;
 use corolla_model::wire::wire_dtype;
-use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device};
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, LlamaConfig};
 use corolla_shared::node::NodeHandle;
 
 use crate::chain::{Recovery, RemoteChain, SessionSettings};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::error::ClientError;
-use crate::generate::{generate_after, GenerateOutput, GenerateRequest};
+use crate::generate::{generate_after, GenerateOutput, GenerateRequest, LocalHead, TokenHead};
 use crate::local::LocalChain;
 use crate::route::Hop;
 use crate::swarm_view::SwarmView;
@@ -28,8 +28,16 @@ use crate::text::TextTokenizer;
 /// servers allow, and never less than the request needs).
 pub const CONVERSATION_LENGTH: usize = 2048;
 
-/// Where the decoder blocks run.
-enum Blocks {
+/// Where the decoder blocks run: in this process, or on a swarm. Answers
+/// through [`Blocks::answer`] with any [`TokenHead`] (the page's lives in a
+/// worker); an [`Assistant`] pairs it with its own client part.
+pub struct Blocks {
+    place: Place,
+    /// Where the chain's output tensors are made (the head's device).
+    device: Device,
+}
+
+enum Place {
     Local(Vec<BlockSpan>),
     Swarm {
         view: SwarmView,
@@ -207,7 +215,10 @@ impl Assistant {
         let span = BlockSpan::load(checkpoint, 0, layers, dtype, &Device::Cpu)?;
         Ok(Assistant {
             part: ClientPart::load(checkpoint, dtype)?,
-            blocks: Blocks::Local(vec![span]),
+            blocks: Blocks {
+                place: Place::Local(vec![span]),
+                device: Device::Cpu,
+            },
         })
     }
 
@@ -238,16 +249,9 @@ impl Assistant {
         if sessions.model.is_empty() {
             sessions.model = part.model.clone();
         }
-        sessions.num_layers = part.head.config().num_hidden_layers;
-        sessions.dtype = wire_dtype(part.head.dtype())?;
-        let view = SwarmView::new(node, &sessions);
-        Ok(Assistant {
-            part,
-            blocks: Blocks::Swarm {
-                view,
-                sessions: Box::new(sessions),
-            },
-        })
+        let head = &part.head;
+        let blocks = Blocks::swarm(node, sessions, head.config(), head.dtype(), head.device())?;
+        Ok(Assistant { part, blocks })
     }
 
     /// Gives the client part back (to join another swarm, say).
@@ -257,10 +261,7 @@ impl Assistant {
 
     /// The model's name (in the DHT, for a swarm).
     pub fn model(&self) -> &str {
-        match &self.blocks {
-            Blocks::Swarm { sessions, .. } => &sessions.model,
-            Blocks::Local(_) => &self.part.model,
-        }
+        self.blocks.swarm_model().unwrap_or(&self.part.model)
     }
 
     pub fn tokenizer(&self) -> &TextTokenizer {
@@ -281,10 +282,7 @@ impl Assistant {
 
     /// The swarm view, for a swarm.
     pub fn swarm_view(&self) -> Option<&SwarmView> {
-        match &self.blocks {
-            Blocks::Swarm { view, .. } => Some(view),
-            Blocks::Local(_) => None,
-        }
+        self.blocks.swarm_view()
     }
 
     /// Token ids of a chat prompt for `messages`, ending where the
@@ -298,22 +296,88 @@ impl Assistant {
     /// the model's, and through a swarm also the servers' (as far as the
     /// view knows them).
     pub fn max_positions(&self) -> usize {
-        let model = self.part.head.config().max_position_embeddings;
-        match &self.blocks {
-            Blocks::Local(_) => model,
-            Blocks::Swarm { view, sessions } => view
+        self.blocks
+            .max_positions(self.part.head.config().max_position_embeddings)
+    }
+
+    /// Answers `request` through `conversation` (see [`Blocks::answer`]).
+    pub async fn answer(
+        &self,
+        conversation: &mut Conversation,
+        request: &GenerateRequest,
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Answer, ClientError> {
+        let mut head = LocalHead::new(&self.part.head, &request.sampling)?;
+        self.blocks
+            .answer(&mut head, conversation, request, on_token)
+            .await
+    }
+}
+
+impl Blocks {
+    /// The blocks of a model with `config` on the swarm `node` is part of,
+    /// exchanging activations in `dtype`; `sessions.model` names the model
+    /// in the DHT, and the layer count and wire dtype are filled in here.
+    pub fn swarm(
+        node: NodeHandle,
+        mut sessions: SessionSettings,
+        config: &LlamaConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ClientError> {
+        if sessions.model.is_empty() {
+            return Err(ClientError::BadRequest(
+                "a swarm's sessions need the model's name".into(),
+            ));
+        }
+        sessions.num_layers = config.num_hidden_layers;
+        sessions.dtype = wire_dtype(dtype)?;
+        let view = SwarmView::new(node, &sessions);
+        Ok(Blocks {
+            place: Place::Swarm {
+                view,
+                sessions: Box::new(sessions),
+            },
+            device: device.clone(),
+        })
+    }
+
+    /// The model's name in the DHT, for a swarm.
+    pub fn swarm_model(&self) -> Option<&str> {
+        match &self.place {
+            Place::Swarm { sessions, .. } => Some(&sessions.model),
+            Place::Local(_) => None,
+        }
+    }
+
+    /// The swarm view, for a swarm.
+    pub fn swarm_view(&self) -> Option<&SwarmView> {
+        match &self.place {
+            Place::Swarm { view, .. } => Some(view),
+            Place::Local(_) => None,
+        }
+    }
+
+    /// The most positions one conversation can have: `model_max`, and
+    /// through a swarm also the servers' (as far as the view knows them).
+    pub fn max_positions(&self, model_max: usize) -> usize {
+        match &self.place {
+            Place::Local(_) => model_max,
+            Place::Swarm { view, sessions } => view
                 .max_session_length(sessions.num_layers)
-                .map_or(model, |servers| servers.min(model)),
+                .map_or(model_max, |servers| servers.min(model_max)),
         }
     }
 
     /// Answers `request` through `conversation`: its open sessions keep the
     /// positions the prompt shares with what they hold, and only the rest is
-    /// sent. `on_token` sees each token as it is sampled and may stop the
-    /// answer. After a failure the conversation's chain is closed (the next
-    /// answer opens a new one).
-    pub async fn answer(
+    /// sent. `head` embeds and samples (fresh for this request); `on_token`
+    /// sees each token as it is sampled and may stop the answer. After a
+    /// failure the conversation's chain is closed (the next answer opens a
+    /// new one).
+    pub async fn answer<H: TokenHead>(
         &self,
+        head: &mut H,
         conversation: &mut Conversation,
         request: &GenerateRequest,
         on_token: impl FnMut(u32) -> ControlFlow<()>,
@@ -324,6 +388,7 @@ impl Assistant {
             return Err(ClientError::EmptyPrompt);
         }
         let needed = request.max_length().max(1);
+        let model_max = head.config().max_position_embeddings;
         let mut reused = common_prefix(&conversation.cached, prompt).min(prompt.len() - 1);
         let mut chain = match conversation.chain.take() {
             Some(chain) if chain.capacity() >= needed => chain,
@@ -332,21 +397,18 @@ impl Assistant {
                     old.close().await;
                 }
                 reused = 0;
-                self.open_chain(needed, conversation.reserve).await?
+                self.open_chain(needed, conversation.reserve, model_max)
+                    .await?
             }
         };
         conversation.cached.clear();
         let result = match &mut chain {
-            Chain::Local(local) => {
-                generate_after(&self.part.head, local, request, reused, on_token)
-                    .await
-                    .map(|out| (out, None, Vec::new(), Vec::new()))
-            }
+            Chain::Local(local) => generate_after(head, local, request, reused, on_token)
+                .await
+                .map(|out| (out, None, Vec::new(), Vec::new())),
             Chain::Remote(remote) => {
                 remote.rewind(reused);
-                let out =
-                    generate_after(&self.part.head, remote.as_mut(), request, reused, on_token)
-                        .await;
+                let out = generate_after(head, remote.as_mut(), request, reused, on_token).await;
                 let suspects = remote.take_suspects();
                 out.map(|out| {
                     (
@@ -383,15 +445,19 @@ impl Assistant {
     }
 
     /// A chain with room for `needed` positions, and up to `reserve` when
-    /// the model and the servers allow.
-    async fn open_chain(&self, needed: usize, reserve: usize) -> Result<Chain, ClientError> {
-        let model_max = self.part.head.config().max_position_embeddings;
-        match &self.blocks {
-            Blocks::Local(spans) => Ok(Chain::Local(LocalChain::new(
+    /// the model (`model_max`) and the servers allow.
+    async fn open_chain(
+        &self,
+        needed: usize,
+        reserve: usize,
+        model_max: usize,
+    ) -> Result<Chain, ClientError> {
+        match &self.place {
+            Place::Local(spans) => Ok(Chain::Local(LocalChain::new(
                 spans,
                 needed.max(reserve.min(model_max)),
             )?)),
-            Blocks::Swarm { view, sessions } => {
+            Place::Swarm { view, sessions } => {
                 view.ensure_fresh().await;
                 let length = match view.max_session_length(sessions.num_layers) {
                     Some(max) if needed > max => {
@@ -403,8 +469,7 @@ impl Assistant {
                 };
                 let mut settings = SessionSettings::clone(sessions);
                 settings.max_length = length;
-                let chain =
-                    RemoteChain::connect_via(view, settings, self.part.head.device()).await?;
+                let chain = RemoteChain::connect_via(view, settings, &self.device).await?;
                 Ok(Chain::Remote(Box::new(chain)))
             }
         }

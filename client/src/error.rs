@@ -33,6 +33,9 @@ pub enum ClientError {
     },
     #[error("spot checks found wrong activations and no honest server is left for blocks {start}..{end}")]
     NoHonestServer { start: usize, end: usize },
+    /// Where the head runs apart from the loop (the page's worker).
+    #[error("the client head: {0}")]
+    Head(String),
     #[error("network: {0}")]
     Network(String),
     #[error(transparent)]

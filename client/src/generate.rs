@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::ops::ControlFlow;
 
-use corolla_model::{ClientHead, Sampler, SamplingParams, Tensor};
+use corolla_model::{ClientHead, LlamaConfig, Sampler, SamplingParams, Tensor};
 use web_time::{Duration, Instant};
 
 use crate::error::ClientError;
@@ -18,6 +18,55 @@ pub trait BlockChain {
         hidden: Tensor,
         start: usize,
     ) -> impl Future<Output = Result<Tensor, ClientError>>;
+}
+
+/// The client's side of every generate step: embedding the input, and
+/// picking the next token from the last block's output. [`LocalHead`] runs
+/// it in this thread; the page runs it in a Web Worker.
+pub trait TokenHead {
+    fn config(&self) -> &LlamaConfig;
+
+    /// Hidden states `[1, T, hidden]` of `ids`.
+    fn embed(&mut self, ids: &[u32]) -> impl Future<Output = Result<Tensor, ClientError>>;
+
+    /// The token after `hidden`'s last position (`hidden` is `[1, T,
+    /// hidden]`), given the tokens so far, `context`. Stateful: a sampler
+    /// draws from one random sequence per answer.
+    fn next_token(
+        &mut self,
+        hidden: &Tensor,
+        context: &[u32],
+    ) -> impl Future<Output = Result<u32, ClientError>>;
+}
+
+/// A [`ClientHead`] and one answer's sampler, in this thread.
+pub struct LocalHead<'a> {
+    head: &'a ClientHead,
+    sampler: Sampler,
+}
+
+impl<'a> LocalHead<'a> {
+    pub fn new(head: &'a ClientHead, sampling: &SamplingParams) -> Result<Self, ClientError> {
+        Ok(LocalHead {
+            head,
+            sampler: Sampler::new(sampling)?,
+        })
+    }
+}
+
+impl TokenHead for LocalHead<'_> {
+    fn config(&self) -> &LlamaConfig {
+        self.head.config()
+    }
+
+    async fn embed(&mut self, ids: &[u32]) -> Result<Tensor, ClientError> {
+        Ok(self.head.embed_fetching(ids).await?)
+    }
+
+    async fn next_token(&mut self, hidden: &Tensor, context: &[u32]) -> Result<u32, ClientError> {
+        let logits = self.head.last_logits(hidden)?;
+        Ok(self.sampler.sample(&logits, context)?)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -75,14 +124,16 @@ pub async fn generate<C: BlockChain>(
     request: &GenerateRequest,
     on_token: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<GenerateOutput, ClientError> {
-    generate_after(head, chain, request, 0, on_token).await
+    let mut head = LocalHead::new(head, &request.sampling)?;
+    generate_after(&mut head, chain, request, 0, on_token).await
 }
 
 /// [`generate`] on a chain whose caches already hold the first `reused`
 /// positions of the prompt (an earlier turn of the conversation): only the
 /// rest of the prompt is sent. `reused` must be below the prompt's length.
-pub async fn generate_after<C: BlockChain>(
-    head: &ClientHead,
+/// `head` must be fresh for this request (its sampler seeded by it).
+pub async fn generate_after<H: TokenHead, C: BlockChain>(
+    head: &mut H,
     chain: &mut C,
     request: &GenerateRequest,
     reused: usize,
@@ -107,8 +158,7 @@ pub async fn generate_after<C: BlockChain>(
             max,
         });
     }
-    let mut sampler = Sampler::new(&request.sampling)?;
-    let eos = &head.config().eos_token_ids;
+    let eos = head.config().eos_token_ids.clone();
     let mut context = prompt.clone();
     let mut generated = Vec::with_capacity(request.max_new_tokens);
     let mut prefill_time = Duration::ZERO;
@@ -116,11 +166,8 @@ pub async fn generate_after<C: BlockChain>(
     let mut input = prompt[reused..].to_vec();
     let mut position = reused;
     while generated.len() < request.max_new_tokens {
-        let hidden = chain
-            .forward(head.embed_fetching(&input).await?, position)
-            .await?;
-        let logits = head.last_logits(&hidden)?;
-        let token = sampler.sample(&logits, &context)?;
+        let hidden = chain.forward(head.embed(&input).await?, position).await?;
+        let token = head.next_token(&hidden, &context).await?;
         if generated.is_empty() {
             prefill_time = started.elapsed();
         }

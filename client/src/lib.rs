@@ -34,12 +34,13 @@ pub mod models;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod network;
 
-pub use assistant::{Answer, Assistant, Conversation};
+pub use assistant::{Answer, Assistant, Blocks, Conversation};
 pub use chain::{Recovery, RemoteChain, SessionSettings};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ClientError;
 pub use generate::{
-    generate, generate_after, BlockChain, GenerateOutput, GenerateRequest, StopReason,
+    generate, generate_after, BlockChain, GenerateOutput, GenerateRequest, LocalHead, StopReason,
+    TokenHead,
 };
 pub use local::LocalChain;
 pub use route::{

@@ -200,6 +200,22 @@ try {
     pageErrors.push(`uncaught: ${e.message}`);
   });
   await page.exposeFunction('__corollaReport', (event) => emit(event));
+  // Every task that held the page's thread over 50 ms, from the start of each document.
+  await page.addInitScript(() => {
+    window.__corollaLongTasks = [];
+    new PerformanceObserver((list) => {
+      for (const t of list.getEntries()) {
+        window.__corollaLongTasks.push({ start_ms: t.startTime, duration_ms: t.duration });
+      }
+    }).observe({ type: 'longtask', buffered: true });
+  });
+  const longTasks = async (phase) => emit({
+    event: 'long_tasks',
+    phase,
+    tasks: await page.evaluate(() => window.__corollaLongTasks ?? []),
+    marks: await page.evaluate(() => Object.fromEntries(
+      performance.getEntriesByType('mark').map((m) => [m.name, m.startTime]))),
+  });
   const loadStarted = Date.now();
   await navigate(() => page.goto(args.url));
 
@@ -238,8 +254,11 @@ try {
         window.__corollaDuring ??= { button: r('#stop'), input: r('#input'), header: r('header') };
       }
       if (e.detail.count === 1) {
-        const traffic = el.client.traffic ? el.client.traffic() : null;
-        window.__corollaReport({ event: 'token', count: 1, at_ms: Date.now(), traffic });
+        const at = Date.now();
+        // Asked before the loop goes on, so no later row fetch is counted.
+        el.client.traffic().then(
+          (traffic) => window.__corollaReport({ event: 'token', count: 1, at_ms: at, traffic }),
+          (err) => window.__corollaReport({ event: 'token', count: 1, at_ms: at, traffic_error: String(err) }));
       }
       if (e.detail.count === window.__corollaStopAt) {
         el.shadowRoot.querySelector('#stop').click();
@@ -279,6 +298,7 @@ try {
     emit({ event: 'answer', result: outcome.detail });
   }
   emit({ event: 'geometry', before, during: await page.evaluate(() => window.__corollaDuring ?? null) });
+  await longTasks('cold');
   if (args.measure) {
     emit({
       event: 'memory',
@@ -305,6 +325,7 @@ try {
     await page.locator('corolla-chat #send').click();
     const firstAt = await first;
     const result = await answer;
+    await longTasks('warm');
     emit({
       event: 'warm',
       ready_ms: readyMs,
