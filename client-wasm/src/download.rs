@@ -41,6 +41,8 @@ pub struct Traffic {
     pub cached_bytes: u64,
     pub rows_downloaded: u64,
     pub rows_cached: u64,
+    /// Range requests that resumed a download after its connection broke.
+    pub resumes: u64,
 }
 
 /// Shared by the downloads and the row source of one client.
@@ -380,6 +382,7 @@ pub async fn file_into(
         match read {
             Ok(()) => break,
             Err(ReadError::Interrupted(e)) if attempt < RESUMES => {
+                count(traffic, |t| t.resumes += 1);
                 tracing::warn!(file = %file.name, error = %e, at = dest.filled(), "download broke off; resuming");
             }
             Err(ReadError::Interrupted(e) | ReadError::Fatal(e)) => return Err(e),
