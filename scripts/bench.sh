@@ -2,7 +2,8 @@
 # Benchmarks: generation through a 4-server swarm on loopback vs one process,
 # the default model in `corolla demo`'s 3-server layout vs one process, and
 # the web chat in Chromium vs the native client on the same swarm, side by
-# side in one run. Writes the figures to BENCHMARKS.md.
+# side in one run; then 70B-class heads in the page. Writes the figures to
+# BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -16,3 +17,6 @@ shared_build
 # The default model's section needs the model (fetched once, then cached).
 "$CARGO_TARGET_DIR/debug/corolla" fetch-model >/dev/null
 "$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md
+# 70B-class heads in the page: the Chromium tests measure, corolla-bench writes the section.
+COROLLA_REQUIRE_BROWSER=1 cargo test -p corolla-tests --test browser page_holds_a -- --test-threads 1
+"$CARGO_TARGET_DIR/debug/corolla-bench" --page-figures tests/artifacts --write BENCHMARKS.md

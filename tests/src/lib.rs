@@ -5,6 +5,7 @@ pub mod browser;
 pub mod forwarder;
 pub mod hostile;
 pub mod netns;
+pub mod page_figures;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,8 @@
 //! servers on loopback, divided by the same generation in one process, in
 //! the same run. Writes its figures to BENCHMARKS.md.
 //!
-//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching | --only-swarm] [--write FILE]`
+//! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching | --only-swarm] [--write FILE]`,
+//! or `corolla-bench --page-figures DIR [--write FILE]` (the page tests' figures as a section).
 
 use std::time::Duration;
 
@@ -111,6 +112,20 @@ async fn main() -> anyhow::Result<()> {
         .position(|a| a == "--write")
         .and_then(|i| args.get(i + 1))
         .cloned();
+    if let Some(dir) = args
+        .iter()
+        .position(|a| a == "--page-figures")
+        .and_then(|i| args.get(i + 1))
+    {
+        // Figures the Chromium tests measured, as a section of the report.
+        use corolla_tests::page_figures::{page_section, PAGE_HEADING};
+        let section = page_section(std::path::Path::new(dir))?;
+        println!("{section}");
+        if let Some(file) = write_to {
+            write_section(&file, PAGE_HEADING, &section)?;
+        }
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--only-chat") {
         // One section alone, written into the existing report.
         let path = corolla_tests::default_model()
