@@ -6,7 +6,7 @@
 //! the worker, so it never blocks on the head's arithmetic.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
 use corolla_client::{ChatMessage, ClientError, TokenHead};
@@ -19,7 +19,7 @@ use web_sys::{
     Blob, BlobPropertyBag, ErrorEvent, MessageEvent, Url, Worker, WorkerOptions, WorkerType,
 };
 
-use crate::protocol::{Call, Loaded, NextToken, Sampling};
+use crate::protocol::{Call, Loaded, NextToken, Sampling, Verified};
 
 #[wasm_bindgen]
 extern "C" {
@@ -207,13 +207,13 @@ impl HeadWorker {
     }
 
     /// A [`TokenHead`] for one answer: the worker's sampler starts afresh.
-    /// `piece` holds the text each sampled token completes, for the loop's
-    /// token callback.
+    /// `piece` holds the text each sampled token completes, in order, for
+    /// the loop's token callback (a multi-token step yields several).
     pub async fn begin<'a>(
         &'a self,
         config: &'a LlamaConfig,
         sampling: Sampling,
-        piece: &'a RefCell<String>,
+        piece: &'a RefCell<VecDeque<String>>,
     ) -> Result<WorkerHead<'a>, String> {
         self.call(&Call::Begin { sampling }, None).await?;
         Ok(WorkerHead {
@@ -262,11 +262,13 @@ fn dispatch(pending: &Pending, progress: &RefCell<Option<Function>>, message: Js
     let _ = reply.send(outcome);
 }
 
-/// `hidden`'s last position, `[1, T, hidden]` -> `hidden` f32 values.
-fn last_position(hidden: &Tensor) -> Result<Vec<f32>, corolla_model::ModelError> {
+/// `hidden`'s last `rows` positions, `[1, T, hidden]` -> `rows * hidden`
+/// f32 values.
+fn last_positions(hidden: &Tensor, rows: usize) -> Result<Vec<f32>, corolla_model::ModelError> {
     let t = hidden.dim(1)?;
+    let rows = rows.min(t);
     Ok(hidden
-        .narrow(1, t.saturating_sub(1), 1)?
+        .narrow(1, t - rows, rows)?
         .flatten_all()?
         .to_dtype(corolla_model::DType::F32)?
         .to_vec1()?)
@@ -280,7 +282,7 @@ fn head_error(e: impl std::fmt::Display) -> ClientError {
 pub struct WorkerHead<'a> {
     worker: &'a HeadWorker,
     config: &'a LlamaConfig,
-    piece: &'a RefCell<String>,
+    piece: &'a RefCell<VecDeque<String>>,
 }
 
 impl TokenHead for WorkerHead<'_> {
@@ -309,7 +311,7 @@ impl TokenHead for WorkerHead<'_> {
     }
 
     async fn next_token(&mut self, hidden: &Tensor, context: &[u32]) -> Result<u32, ClientError> {
-        let last = last_position(hidden).map_err(head_error)?;
+        let last = last_positions(hidden, 1).map_err(head_error)?;
         let reply = self
             .worker
             .call(
@@ -322,7 +324,38 @@ impl TokenHead for WorkerHead<'_> {
             .map_err(head_error)?;
         let next: NextToken = serde_wasm_bindgen::from_value(reply.value)
             .map_err(|e| head_error(format!("a bad reply from the head worker: {e}")))?;
-        self.piece.replace(next.piece);
+        self.piece.replace(VecDeque::from([next.piece]));
         Ok(next.token)
+    }
+
+    async fn verify_drafts(
+        &mut self,
+        hidden: &Tensor,
+        context: &[u32],
+        drafts: &[u32],
+    ) -> Result<Vec<u32>, ClientError> {
+        let rows = last_positions(hidden, drafts.len() + 1).map_err(head_error)?;
+        let reply = self
+            .worker
+            .call(
+                &Call::VerifyDrafts {
+                    context: context.to_vec(),
+                    drafts: drafts.to_vec(),
+                },
+                Some(Float32Array::from(rows.as_slice())),
+            )
+            .await
+            .map_err(head_error)?;
+        let verified: Verified = serde_wasm_bindgen::from_value(reply.value)
+            .map_err(|e| head_error(format!("a bad reply from the head worker: {e}")))?;
+        if verified.pieces.len() != verified.tokens.len() {
+            return Err(head_error(format!(
+                "{} pieces of text for {} tokens",
+                verified.pieces.len(),
+                verified.tokens.len()
+            )));
+        }
+        self.piece.replace(verified.pieces.into());
+        Ok(verified.tokens)
     }
 }

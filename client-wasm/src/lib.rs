@@ -19,6 +19,7 @@ mod swarm;
 mod worker;
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::time::Duration;
@@ -75,6 +76,13 @@ struct Settings {
     seed: Option<u64>,
     #[serde(default = "default_true")]
     stop_at_eos: bool,
+    /// The longest draft of a multi-token step (prompt lookup); 0: off.
+    #[serde(default = "default_drafts")]
+    drafts: usize,
+}
+
+fn default_drafts() -> usize {
+    corolla_client::DEFAULT_DRAFTS
 }
 
 fn default_max_new_tokens() -> usize {
@@ -108,6 +116,10 @@ struct AnswerJs<'a> {
     tokens_per_second: f64,
     prefill_seconds: f64,
     total_seconds: f64,
+    /// Chain steps after the prefill, draft tokens checked and accepted.
+    steps: usize,
+    drafted: usize,
+    accepted: usize,
     route: &'a [corolla_client::Hop],
     recoveries: &'a [corolla_client::Recovery],
     /// Servers spot checks caught returning wrong activations.
@@ -366,16 +378,18 @@ async fn answer(
         max_new_tokens: settings.max_new_tokens,
         sampling: SamplingParams::from(&sampling),
         stop_at_eos: settings.stop_at_eos,
+        drafts: settings.drafts,
     };
     let seed = sampling.seed;
-    let piece = RefCell::new(String::new());
+    // The text of each token the worker sampled and the loop has yet to see.
+    let piece = RefCell::new(VecDeque::new());
     let mut head = inner
         .head
         .begin(&inner.config, sampling, &piece)
         .await
         .map_err(error)?;
     let on_token = |token: u32| {
-        let piece = piece.take();
+        let piece = piece.borrow_mut().pop_front().unwrap_or_default();
         if let Err(e) = on_token.call2(&JsValue::NULL, &piece.into(), &token.into()) {
             tracing::warn!(error = ?e, "the token callback threw");
         }
@@ -408,6 +422,9 @@ async fn answer(
         tokens_per_second: output.tokens_per_second(),
         prefill_seconds: output.prefill_time.as_secs_f64(),
         total_seconds: output.total_time.as_secs_f64(),
+        steps: output.steps,
+        drafted: output.drafted,
+        accepted: output.accepted,
         route: answer.route.as_deref().unwrap_or_default(),
         recoveries: &answer.recoveries,
         suspects: &answer.suspects,

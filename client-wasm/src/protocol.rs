@@ -32,6 +32,12 @@ pub enum Call {
     NextToken {
         context: Vec<u32>,
     },
+    /// `data` holds the last `drafts.len() + 1` positions' hidden states
+    /// (`[rows, hidden]`): a multi-token step's check; replies [`Verified`].
+    VerifyDrafts {
+        context: Vec<u32>,
+        drafts: Vec<u32>,
+    },
     Decode {
         ids: Vec<u32>,
     },
@@ -75,4 +81,12 @@ pub struct Loaded {
 pub struct NextToken {
     pub token: u32,
     pub piece: String,
+}
+
+/// The reply to [`Call::VerifyDrafts`]: the accepted drafts and the next
+/// token ([`corolla_client::draft::verify_drafts`]), each with its text.
+#[derive(Serialize, Deserialize)]
+pub struct Verified {
+    pub tokens: Vec<u32>,
+    pub pieces: Vec<String>,
 }

@@ -7,6 +7,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use corolla_client::assistant::ClientPart;
+use corolla_client::draft::verify_drafts;
 use corolla_client::TextStream;
 use corolla_model::{Device, Sampler, Tensor};
 use js_sys::{Array, Float32Array, Function, Object, Reflect};
@@ -15,7 +16,7 @@ use wasm_bindgen::prelude::*;
 use web_sys::{DedicatedWorkerGlobalScope, MessageEvent};
 
 use crate::download::{Traffic, TrafficCounter};
-use crate::protocol::{Call, Loaded, NextToken};
+use crate::protocol::{Call, Loaded, NextToken, Verified};
 use crate::{part, to_js, wasm_memory_bytes};
 
 /// One answer's sampler and the text its tokens have made so far.
@@ -201,6 +202,43 @@ impl Host {
                     .map_err(|e| e.to_string())?
                     .unwrap_or_default();
                 Reply::value(&NextToken { token, piece })
+            }
+            Call::VerifyDrafts { context, drafts } => {
+                let part = self.part()?;
+                let hidden = data
+                    .ok_or("verify_drafts without the hidden states")?
+                    .to_vec();
+                let size = part.head.config().hidden_size;
+                let rows = drafts.len() + 1;
+                if hidden.len() != rows * size {
+                    return Err(format!(
+                        "{} hidden values for {rows} rows of {size}",
+                        hidden.len()
+                    ));
+                }
+                let hidden = Tensor::from_vec(hidden, (1, rows, size), &Device::Cpu)
+                    .map_err(|e| e.to_string())?;
+                let mut answering = self.answering.borrow_mut();
+                let answering = answering.as_mut().ok_or("verify_drafts before begin")?;
+                let tokens = verify_drafts(
+                    &part.head,
+                    &mut answering.sampler,
+                    &hidden,
+                    &context,
+                    &drafts,
+                )
+                .map_err(|e| e.to_string())?;
+                let pieces = tokens
+                    .iter()
+                    .map(|&token| {
+                        Ok(answering
+                            .text
+                            .push(&part.tokenizer, token)
+                            .map_err(|e| e.to_string())?
+                            .unwrap_or_default())
+                    })
+                    .collect::<Result<Vec<_>, String>>()?;
+                Reply::value(&Verified { tokens, pieces })
             }
             Call::Decode { ids } => {
                 let text = self

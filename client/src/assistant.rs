@@ -13,6 +13,7 @@ use corolla_model::quantized::QTensor;
 use corolla_model::wire::wire_dtype;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, LlamaConfig};
 use corolla_shared::node::NodeHandle;
+use corolla_shared::WireDType;
 
 use crate::chain::{Recovery, RemoteChain, SessionSettings};
 use crate::chat::{ChatMessage, ChatTemplate};
@@ -112,6 +113,8 @@ pub struct Answer {
     /// Servers spot checks caught returning wrong activations (banned for
     /// this client; the answer went on with honest results).
     pub suspects: Vec<String>,
+    /// Steps that went down the whole route by server-to-server push.
+    pub pushed_steps: usize,
 }
 
 enum Chain {
@@ -331,7 +334,10 @@ impl Blocks {
             ));
         }
         sessions.num_layers = config.num_hidden_layers;
-        sessions.dtype = wire_dtype(dtype)?;
+        sessions.dtype = match sessions.wire_dtype {
+            Some(wire) => wire,
+            None => default_wire_dtype(dtype)?,
+        };
         let view = SwarmView::new(node, &sessions);
         Ok(Blocks {
             place: Place::Swarm {
@@ -405,23 +411,25 @@ impl Blocks {
         let result = match &mut chain {
             Chain::Local(local) => generate_after(head, local, request, reused, on_token)
                 .await
-                .map(|out| (out, None, Vec::new(), Vec::new())),
+                .map(|out| (out, None, Vec::new(), Vec::new(), 0)),
             Chain::Remote(remote) => {
                 remote.rewind(reused);
                 let out = generate_after(head, remote.as_mut(), request, reused, on_token).await;
                 let suspects = remote.take_suspects();
+                let pushed_steps = remote.take_pushed_steps();
                 out.map(|out| {
                     (
                         out,
                         Some(remote.route()),
                         remote.take_recoveries(),
                         suspects,
+                        pushed_steps,
                     )
                 })
             }
         };
         match result {
-            Ok((output, route, recoveries, suspects)) => {
+            Ok((output, route, recoveries, suspects, pushed_steps)) => {
                 // The last token sampled was never fed back.
                 let fed = output.generated_ids.len().saturating_sub(1);
                 conversation.cached = prompt.clone();
@@ -435,6 +443,7 @@ impl Blocks {
                     route,
                     recoveries,
                     suspects,
+                    pushed_steps,
                 })
             }
             Err(e) => {
@@ -474,4 +483,15 @@ impl Blocks {
             }
         }
     }
+}
+
+/// What crosses the wire when the user did not say: the compute dtype,
+/// the narrowest format that loses nothing. So f16 and bf16 computation
+/// (GPU servers) send halves, and f32 computation sends f32: on the default
+/// model f16 between f32 spans changed 2 of 12 greedy answers (its residual
+/// stream has outliers that f16 rounds coarsely; BENCHMARKS.md), and a
+/// swarm's answer must equal the local one. `--wire-dtype f16` halves the
+/// bytes for those who accept that.
+pub fn default_wire_dtype(compute: DType) -> Result<WireDType, ClientError> {
+    Ok(wire_dtype(compute)?)
 }

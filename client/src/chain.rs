@@ -10,9 +10,9 @@ use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{Device, Tensor};
 use corolla_shared::node::NodeHandle;
-use corolla_shared::protocol::OpenRequest;
+use corolla_shared::protocol::{OpenRequest, PushTarget, StepHeader};
 use corolla_shared::session::{RemoteSession, SessionError, StepTimeout};
-use corolla_shared::{TensorPayload, WireDType};
+use corolla_shared::{Compression, TensorPayload, WireDType};
 use libp2p::PeerId;
 use serde::Serialize;
 use web_time::Instant;
@@ -20,7 +20,9 @@ use web_time::Instant;
 use crate::error::ClientError;
 use crate::generate::BlockChain;
 use crate::route::Hop;
-use crate::spot_check::{agree, Referee, Schedule, Witness, WitnessError};
+use crate::spot_check::{
+    agree_within, tolerance_on_the_wire, Referee, Schedule, Witness, WitnessError,
+};
 use crate::swarm_view::SwarmView;
 
 /// Settings of the sessions a client opens.
@@ -31,7 +33,16 @@ pub struct SessionSettings {
     pub expected_blocks: Option<Vec<String>>,
     pub num_layers: usize,
     pub max_length: usize,
+    /// The dtype of activations on the wire (what sessions are opened with).
     pub dtype: WireDType,
+    /// What the user asked to put on the wire; `None`: f16 where the
+    /// compute dtype allows it (see [`crate::Blocks::swarm`]).
+    pub wire_dtype: Option<WireDType>,
+    /// How activations are compressed on the wire, both ways.
+    pub compression: Compression,
+    /// Servers send their outputs straight to the next server of the route
+    /// (each also returns its own to the client, for replay).
+    pub push: bool,
     /// How long one step may take before the server counts as failed.
     pub timeout: Duration,
     /// A tighter deadline for short steps (see [`StepTimeout`]); `None`: `timeout` for all.
@@ -74,6 +85,9 @@ impl SessionSettings {
             num_layers,
             max_length,
             dtype,
+            wire_dtype: None,
+            compression: Compression::None,
+            push: true,
             timeout: Duration::from_secs(60),
             step_timeout: None,
             discovery_timeout: Duration::from_secs(30),
@@ -159,6 +173,15 @@ async fn run_sessions(
     Ok(x)
 }
 
+/// Where a pushed step stopped before the route's end.
+enum PushStop {
+    /// Hop `.0` failed (its server erred, closed, or timed out).
+    Failed(usize, SessionError),
+    /// The server before hop `.0` could not push to it: the client goes on
+    /// from there itself.
+    NotPushed(usize),
+}
+
 /// What a new witness is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -198,6 +221,8 @@ pub struct RemoteChain {
     suspects: Vec<String>,
     schedule: Schedule,
     steps: usize,
+    /// Steps that went down the whole route by push.
+    pushed_steps: usize,
     last_step_at: Instant,
 }
 
@@ -233,6 +258,7 @@ impl RemoteChain {
             suspects: Vec::new(),
             schedule,
             steps: 0,
+            pushed_steps: 0,
             last_step_at: Instant::now(),
         };
         let num_layers = chain.settings.num_layers;
@@ -288,6 +314,11 @@ impl RemoteChain {
     /// The recoveries so far, leaving none behind (one answer's worth).
     pub fn take_recoveries(&mut self) -> Vec<Recovery> {
         std::mem::take(&mut self.recoveries)
+    }
+
+    /// Steps that went down the whole route by push so far, leaving none behind.
+    pub fn take_pushed_steps(&mut self) -> usize {
+        std::mem::take(&mut self.pushed_steps)
     }
 
     /// Servers caught by spot checks so far, leaving none behind.
@@ -372,6 +403,7 @@ impl RemoteChain {
             end: hop.end as u32,
             max_length: self.settings.max_length as u32,
             dtype: self.settings.dtype,
+            compression: self.settings.compression,
             flow_window: self.settings.flow_window,
         };
         let mut control = self.view.node().control();
@@ -507,6 +539,74 @@ impl RemoteChain {
         Ok(sessions)
     }
 
+    /// Whether the next step can go by push: asked for, more than one hop,
+    /// and each hop on one server (a hop split by a recovery goes through
+    /// the client).
+    fn can_push(&self) -> bool {
+        self.settings.push && self.hops.len() > 1 && self.hops.iter().all(|h| h.sessions.len() == 1)
+    }
+
+    /// Sends one step down the whole route by push and reads every hop's
+    /// output from its session as it comes. Returns the outputs of the
+    /// hops that answered, in order, and where it stopped short, if it did.
+    async fn forward_pushed(
+        &mut self,
+        start: u32,
+        input: &TensorPayload,
+    ) -> (Vec<TensorPayload>, Option<PushStop>) {
+        let step_id = self
+            .hops
+            .iter()
+            .map(|h| h.sessions[0].1.next_step_id())
+            .max()
+            .unwrap_or(1);
+        let push = self.hops[1..]
+            .iter()
+            .map(|h| PushTarget {
+                peer: h.sessions[0].1.peer(),
+                token: h.sessions[0].1.token(),
+            })
+            .collect();
+        for hop in &mut self.hops {
+            hop.sessions[0].1.expect_step(step_id);
+        }
+        let header = StepHeader {
+            start_position: start,
+            step_id,
+            push,
+        };
+        let decode = input.shape.get(1) == Some(&1);
+        let mut outputs = Vec::with_capacity(self.hops.len());
+        let mut last = Instant::now();
+        if let Err(e) = self.hops[0].sessions[0].1.send_step(&header, input).await {
+            return (outputs, Some(PushStop::Failed(0, e)));
+        }
+        let hops = self.hops.len();
+        for index in 0..hops {
+            let (hop, session) = &mut self.hops[index].sessions[0];
+            match session.receive_output(step_id, input).await {
+                Ok((out, pushed)) => {
+                    if decode {
+                        // From the previous output to this one: one link and
+                        // this hop's compute, what routing compares.
+                        self.view.record_step(
+                            &hop.peer_id,
+                            last.elapsed().as_secs_f64(),
+                            hop.end - hop.start,
+                        );
+                        last = Instant::now();
+                    }
+                    outputs.push(out);
+                    if index + 1 < hops && !pushed {
+                        return (outputs, Some(PushStop::NotPushed(index + 1)));
+                    }
+                }
+                Err(e) => return (outputs, Some(PushStop::Failed(index, e))),
+            }
+        }
+        (outputs, None)
+    }
+
     /// Checks `primary`, hop `index`'s output for `input`, against a
     /// witness. Returns the output to go on with; `Err` names a primary
     /// server found lying (the caller replaces it and repeats the step).
@@ -524,6 +624,8 @@ impl RemoteChain {
         else {
             return Ok(primary);
         };
+        let tolerance = tolerance_on_the_wire(primary.dtype, self.settings.compression);
+        let agree = move |a: &TensorPayload, b: &TensorPayload| agree_within(a, b, tolerance);
         if agree(&primary, &witnessed) {
             return Ok(primary);
         }
@@ -711,20 +813,64 @@ impl BlockChain for RemoteChain {
         let mut payload = to_payload(&hidden, self.settings.dtype)?;
         let mut failures = 0;
         let mut after_pause = self.last_step_at.elapsed() > IDLE_BEFORE_EXPIRY_SUSPECTED;
-        for index in 0..self.hops.len() {
-            loop {
-                let outcome = match run_sessions(
-                    &self.view,
-                    &mut self.hops[index].sessions,
-                    start as u32,
-                    &payload,
-                )
-                .await
-                {
-                    Ok(out) if self.schedule.check_now() => {
-                        self.spot_check(index, start as u32, &payload, out).await
+        // By push first: the hops that answered are taken in order (spot
+        // checks as usual); from the first that did not, the client carries
+        // the step on itself, with the usual recovery.
+        let mut first = 0;
+        let mut pending: Option<SessionError> = None;
+        if self.can_push() {
+            let (outputs, stop) = self.forward_pushed(start as u32, &payload).await;
+            let answered = outputs.len();
+            if stop.is_none() {
+                self.pushed_steps += 1;
+            }
+            for out in outputs {
+                let out = if self.schedule.check_now() {
+                    match self.spot_check(first, start as u32, &payload, out).await {
+                        Ok(out) => out,
+                        Err(e) => {
+                            pending = Some(e);
+                            break;
+                        }
                     }
-                    other => other,
+                } else {
+                    out
+                };
+                let input = std::mem::replace(&mut payload, out);
+                self.hops[first].history.push((start as u32, input));
+                first += 1;
+            }
+            match stop {
+                Some(PushStop::Failed(index, e)) if pending.is_none() && index == answered => {
+                    tracing::debug!(error = %e, hop = index, "a pushed step failed; the client goes on");
+                    pending = Some(e);
+                }
+                Some(PushStop::NotPushed(index)) => {
+                    tracing::debug!(
+                        hop = index,
+                        "a server could not push; the client carries the step on"
+                    );
+                }
+                _ => {}
+            }
+        }
+        for index in first..self.hops.len() {
+            loop {
+                let outcome = match pending.take() {
+                    Some(e) => Err(e),
+                    None => match run_sessions(
+                        &self.view,
+                        &mut self.hops[index].sessions,
+                        start as u32,
+                        &payload,
+                    )
+                    .await
+                    {
+                        Ok(out) if self.schedule.check_now() => {
+                            self.spot_check(index, start as u32, &payload, out).await
+                        }
+                        other => other,
+                    },
                 };
                 match outcome {
                     Ok(out) => {
@@ -751,6 +897,14 @@ impl BlockChain for RemoteChain {
         }
         self.steps += 1;
         self.last_step_at = Instant::now();
-        Ok(from_view(&payload.view(), &self.device)?)
+        // The wire may be narrower than the compute dtype (f16 by default).
+        let out = from_view(&payload.view(), &self.device)?;
+        Ok(out
+            .to_dtype(hidden.dtype())
+            .map_err(corolla_model::ModelError::from)?)
+    }
+
+    fn rewind(&mut self, len: usize) {
+        RemoteChain::rewind(self, len);
     }
 }

@@ -256,6 +256,7 @@ fn chat_loop(
                 max_new_tokens: opts.max_new_tokens,
                 sampling: opts.sampling.params(),
                 stop_at_eos: true,
+                drafts: opts.sampling.drafts,
             };
             stop.store(false, Ordering::SeqCst);
             generating.store(true, Ordering::SeqCst);
@@ -565,6 +566,9 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         blocked_servers: Vec::new(),
         allowed_peers: Vec::new(),
         spot_check: 0.05,
+        wire_dtype: None,
+        wire_compression: corolla_shared::Compression::None,
+        no_push: false,
     };
     let model = ModelArgs {
         model: Some(path),

@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use corolla_model::convert::{convert, ConvertProgress};
 use corolla_model::fingerprint::default_model_name;
 use corolla_model::{Checkpoint, Device, ModelDType, QuantizedWeights, SamplingParams};
-use corolla_shared::ServerRecord;
+use corolla_shared::{Compression, ServerRecord, WireDType};
 use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
 use serde::Serialize;
@@ -95,6 +95,9 @@ struct ApiArgs {
     /// Finished conversations whose server sessions stay open for follow-ups.
     #[arg(long, default_value_t = 8)]
     kept_conversations: usize,
+    /// The longest draft a step checks (prompt lookup); 0: one token per step.
+    #[arg(long, default_value_t = crate::DEFAULT_DRAFTS)]
+    drafts: usize,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -129,6 +132,36 @@ pub(crate) struct SwarmArgs {
     /// a server caught lying is banned and the answer goes on honestly.
     #[arg(long, default_value_t = 0.05, value_parser = parse_rate)]
     pub spot_check: f64,
+    /// Activations on the wire: f32, f16 or bf16 [default: the compute
+    /// dtype, which loses nothing; f16 halves f32's bytes but can change
+    /// answers, see BENCHMARKS.md].
+    #[arg(long, value_parser = parse_wire_dtype)]
+    pub wire_dtype: Option<WireDType>,
+    /// Compress activations on the wire: none, or int8 (blocks of 64 values
+    /// with one scale each: ~1 byte a value; see BENCHMARKS.md for its error).
+    #[arg(long, default_value = "none", value_parser = parse_compression)]
+    pub wire_compression: Compression,
+    /// Carry every step between servers through this client instead of
+    /// letting each server push its output to the next one.
+    #[arg(long)]
+    pub no_push: bool,
+}
+
+fn parse_compression(s: &str) -> Result<Compression, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "none" => Ok(Compression::None),
+        "int8" => Ok(Compression::Int8Block64),
+        other => Err(format!("{other:?} is not a wire compression (none, int8)")),
+    }
+}
+
+fn parse_wire_dtype(s: &str) -> Result<WireDType, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "f32" => Ok(WireDType::F32),
+        "f16" => Ok(WireDType::F16),
+        "bf16" => Ok(WireDType::BF16),
+        other => Err(format!("{other:?} is not a wire dtype (f32, f16, bf16)")),
+    }
 }
 
 fn parse_rate(s: &str) -> Result<f64, String> {
@@ -235,6 +268,12 @@ pub struct SamplingArgs {
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The longest draft a step checks: tokens copied from earlier in the
+    /// conversation (prompt lookup), checked by the model in one pass, so a
+    /// step can yield several tokens. The output is the same as one token
+    /// per step (greedy), or has the same distribution (sampling). 0: off.
+    #[arg(long, default_value_t = crate::DEFAULT_DRAFTS)]
+    pub drafts: usize,
 }
 
 impl SamplingArgs {
@@ -316,6 +355,7 @@ async fn run_api(args: ApiArgs) -> Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         max_concurrent: args.max_concurrent,
         kept_conversations: args.kept_conversations,
+        drafts: args.drafts,
         ..crate::api::ApiSettings::default()
     };
     let server = crate::api::serve(std::sync::Arc::new(assistant), settings)
@@ -389,6 +429,10 @@ struct GenerateJson<'a> {
     prefill_seconds: f64,
     total_seconds: f64,
     stop_reason: crate::StopReason,
+    /// Chain steps after the prefill, draft tokens checked and accepted.
+    steps: usize,
+    drafted: usize,
+    accepted: usize,
     dtype: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     route: Option<&'a [Hop]>,
@@ -397,6 +441,8 @@ struct GenerateJson<'a> {
     /// Servers spot checks caught returning wrong activations.
     #[serde(skip_serializing_if = "Option::is_none")]
     suspects: Option<&'a [String]>,
+    /// Steps that went down the whole route by server-to-server push.
+    pushed_steps: usize,
 }
 
 /// Which model to answer with, and where its blocks run.
@@ -452,6 +498,9 @@ impl SwarmArgs {
                 .then(|| self.allowed_servers.iter().cloned().collect()),
             blocked_servers: self.blocked_servers.iter().cloned().collect(),
             spot_check: self.spot_check,
+            wire_dtype: self.wire_dtype,
+            compression: self.wire_compression,
+            push: !self.no_push,
             ..SessionSettings::default()
         }
     }
@@ -475,6 +524,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         sampling: args.sampling.params(),
         stop_at_eos: !args.ignore_eos,
+        drafts: args.sampling.drafts,
     };
 
     let tokenizer = assistant.tokenizer();
@@ -503,6 +553,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         route,
         recoveries,
         suspects,
+        pushed_steps,
         ..
     } = answer;
     if let Some(e) = print_error {
@@ -519,10 +570,14 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             prefill_seconds: output.prefill_time.as_secs_f64(),
             total_seconds: output.total_time.as_secs_f64(),
             stop_reason: output.stop_reason,
+            steps: output.steps,
+            drafted: output.drafted,
+            accepted: output.accepted,
             dtype: format!("{:?}", assistant.dtype()).to_lowercase(),
             recoveries: route.as_ref().map(|_| recoveries.as_slice()),
             suspects: route.as_ref().map(|_| suspects.as_slice()),
             route: route.as_deref(),
+            pushed_steps,
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {

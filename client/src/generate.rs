@@ -6,6 +6,7 @@ use std::ops::ControlFlow;
 use corolla_model::{ClientHead, LlamaConfig, Sampler, SamplingParams, Tensor};
 use web_time::{Duration, Instant};
 
+use crate::draft::{check_verified, prompt_lookup, verify_drafts, DraftLength};
 use crate::error::ClientError;
 
 /// Runs hidden states through every decoder block of the model, in order,
@@ -18,6 +19,11 @@ pub trait BlockChain {
         hidden: Tensor,
         start: usize,
     ) -> impl Future<Output = Result<Tensor, ClientError>>;
+
+    /// Forgets positions `len..` (a multi-token step's rejected drafts):
+    /// the next step starts at `len`. Caches may keep the old values, as
+    /// later steps overwrite them and never attend past their own positions.
+    fn rewind(&mut self, len: usize);
 }
 
 /// The client's side of every generate step: embedding the input, and
@@ -37,6 +43,19 @@ pub trait TokenHead {
         hidden: &Tensor,
         context: &[u32],
     ) -> impl Future<Output = Result<u32, ClientError>>;
+
+    /// A multi-token step's tokens: `hidden`'s last `drafts.len() + 1` rows
+    /// are the chain's output for the last token of `context` (the tokens
+    /// so far) and each of `drafts`. Returns the drafts the model agrees
+    /// with, in order, then its own token at the first disagreement or
+    /// after the last draft ([`crate::draft::verify_drafts`]: greedy checks,
+    /// or speculative sampling that keeps the sampler's distribution).
+    fn verify_drafts(
+        &mut self,
+        hidden: &Tensor,
+        context: &[u32],
+        drafts: &[u32],
+    ) -> impl Future<Output = Result<Vec<u32>, ClientError>>;
 }
 
 /// A [`ClientHead`] and one answer's sampler, in this thread.
@@ -67,6 +86,15 @@ impl TokenHead for LocalHead<'_> {
         let logits = self.head.last_logits(hidden)?;
         Ok(self.sampler.sample(&logits, context)?)
     }
+
+    async fn verify_drafts(
+        &mut self,
+        hidden: &Tensor,
+        context: &[u32],
+        drafts: &[u32],
+    ) -> Result<Vec<u32>, ClientError> {
+        verify_drafts(self.head, &mut self.sampler, hidden, context, drafts)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -76,6 +104,10 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Stop at the model's end-of-sequence tokens.
     pub stop_at_eos: bool,
+    /// The longest draft a step checks (prompt lookup,
+    /// [`crate::draft`]); 0 turns multi-token steps off. Greedy output is
+    /// the same either way; sampled output keeps its distribution.
+    pub drafts: usize,
 }
 
 impl GenerateRequest {
@@ -103,6 +135,12 @@ pub struct GenerateOutput {
     /// Time from the start until the first new token was sampled.
     pub prefill_time: Duration,
     pub total_time: Duration,
+    /// Chain steps after the prefill (fewer than the tokens when drafts
+    /// were accepted).
+    pub steps: usize,
+    /// Draft tokens checked, and those accepted.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl GenerateOutput {
@@ -163,26 +201,63 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
     let mut generated = Vec::with_capacity(request.max_new_tokens);
     let mut prefill_time = Duration::ZERO;
     let mut stop_reason = StopReason::MaxNewTokens;
+    let (mut steps, mut drafted, mut accepted) = (0, 0, 0);
+    let mut draft_length = DraftLength::new(request.drafts);
+    // The tokens the caches lack (the last one sampled, after the prefill),
+    // fed at `position`; drafts follow them in the same step.
     let mut input = prompt[reused..].to_vec();
     let mut position = reused;
-    while generated.len() < request.max_new_tokens {
-        let hidden = chain.forward(head.embed(&input).await?, position).await?;
-        let token = head.next_token(&hidden, &context).await?;
+    let mut drafts: Vec<u32> = Vec::new();
+    'steps: while generated.len() < request.max_new_tokens {
+        let mut step = input.clone();
+        step.extend_from_slice(&drafts);
+        let hidden = chain.forward(head.embed(&step).await?, position).await?;
+        let tokens = if drafts.is_empty() {
+            vec![head.next_token(&hidden, &context).await?]
+        } else {
+            let tokens = head.verify_drafts(&hidden, &context, &drafts).await?;
+            check_verified(&drafts, &tokens)?;
+            tokens
+        };
         if generated.is_empty() {
             prefill_time = started.elapsed();
+        } else {
+            steps += 1;
         }
-        position += input.len();
-        generated.push(token);
-        context.push(token);
-        if on_token(token).is_break() {
-            stop_reason = StopReason::Cancelled;
-            break;
+        let agreed = tokens.len() - 1;
+        drafted += drafts.len();
+        accepted += agreed;
+        draft_length.record(drafts.len(), agreed);
+        // The caches now hold the input and the accepted drafts; the
+        // rejected drafts' positions are dropped.
+        position += input.len() + agreed;
+        if agreed < drafts.len() {
+            chain.rewind(position);
         }
-        if request.stop_at_eos && eos.contains(&token) {
-            stop_reason = StopReason::EndOfSequence;
-            break;
+        for token in tokens {
+            generated.push(token);
+            context.push(token);
+            let last = generated.len() == request.max_new_tokens;
+            if on_token(token).is_break() {
+                stop_reason = StopReason::Cancelled;
+            } else if request.stop_at_eos && eos.contains(&token) {
+                stop_reason = StopReason::EndOfSequence;
+            } else if !last {
+                continue;
+            }
+            // Stopped inside the step: what the caches hold past the
+            // tokens fed back is not part of the answer.
+            let fed = prompt.len() + generated.len() - 1;
+            if fed < position {
+                chain.rewind(fed);
+            }
+            break 'steps;
         }
-        input = vec![token];
+        input = context[context.len() - 1..].to_vec();
+        // Never more tokens than the answer has left, so the step fits
+        // the positions the session was opened for (`max_length`).
+        let room = request.max_new_tokens - generated.len() - 1;
+        drafts = prompt_lookup(&context, draft_length.get().min(room)).to_vec();
     }
     Ok(GenerateOutput {
         prompt_ids: prompt.clone(),
@@ -190,5 +265,252 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
         stop_reason,
         prefill_time,
         total_time: started.elapsed(),
+        steps,
+        drafted,
+        accepted,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use corolla_model::Device;
+
+    /// A toy model over 9 tokens whose next token depends on the last two:
+    /// it falls into short loops, which prompt lookup then predicts.
+    fn model(tokens: &[u32]) -> u32 {
+        let last = tokens[tokens.len() - 1];
+        let before = tokens.len().checked_sub(2).map_or(0, |i| tokens[i]);
+        (3 * last + 5 * before + 1) % 9
+    }
+
+    /// Plain decoding of `model`: what every run must give.
+    fn rollout(prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut context = prompt.to_vec();
+        for _ in 0..n {
+            context.push(model(&context));
+        }
+        context[prompt.len()..].to_vec()
+    }
+
+    /// Caches tokens by position as a real chain caches keys and values,
+    /// and refuses what a server refuses: skipping ahead, overflowing.
+    struct ToyChain {
+        cached: Vec<u32>,
+        capacity: usize,
+    }
+
+    impl BlockChain for ToyChain {
+        async fn forward(&mut self, hidden: Tensor, start: usize) -> Result<Tensor, ClientError> {
+            let ids: Vec<f32> = hidden.flatten_all().unwrap().to_vec1().unwrap();
+            assert!(start <= self.cached.len(), "a step skipped ahead");
+            assert!(start + ids.len() <= self.capacity, "a step past capacity");
+            self.cached.truncate(start);
+            let mut out = Vec::new();
+            for id in ids {
+                self.cached.push(id as u32);
+                out.push(model(&self.cached) as f32);
+            }
+            let t = out.len();
+            Ok(Tensor::from_vec(out, (1, t, 1), &Device::Cpu).unwrap())
+        }
+
+        fn rewind(&mut self, len: usize) {
+            self.cached.truncate(len);
+        }
+    }
+
+    /// Reads the toy chain's answer off each row; greedy draft checks.
+    struct ToyHead(LlamaConfig);
+
+    fn rows(hidden: &Tensor) -> Vec<u32> {
+        let values: Vec<f32> = hidden.flatten_all().unwrap().to_vec1().unwrap();
+        values.into_iter().map(|v| v as u32).collect()
+    }
+
+    impl TokenHead for ToyHead {
+        fn config(&self) -> &LlamaConfig {
+            &self.0
+        }
+
+        async fn embed(&mut self, ids: &[u32]) -> Result<Tensor, ClientError> {
+            let values: Vec<f32> = ids.iter().map(|&id| id as f32).collect();
+            Ok(Tensor::from_vec(values, (1, ids.len(), 1), &Device::Cpu).unwrap())
+        }
+
+        async fn next_token(&mut self, hidden: &Tensor, _: &[u32]) -> Result<u32, ClientError> {
+            Ok(*rows(hidden).last().unwrap())
+        }
+
+        async fn verify_drafts(
+            &mut self,
+            hidden: &Tensor,
+            _: &[u32],
+            drafts: &[u32],
+        ) -> Result<Vec<u32>, ClientError> {
+            let rows = rows(hidden);
+            let rows = &rows[rows.len() - drafts.len() - 1..];
+            let agreed = drafts.iter().zip(rows).take_while(|(d, r)| d == r).count();
+            Ok(rows[..=agreed].to_vec())
+        }
+    }
+
+    fn config(eos: u32) -> LlamaConfig {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/tiny-llama-a/config.json"
+        );
+        let mut config = LlamaConfig::from_file(std::path::Path::new(path)).unwrap();
+        config.eos_token_ids = vec![eos];
+        config
+    }
+
+    fn block_on<F: Future>(fut: F) -> F::Output {
+        use std::task::{Context, Poll, Waker};
+        let mut fut = std::pin::pin!(fut);
+        let mut cx = Context::from_waker(Waker::noop());
+        loop {
+            if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+                return out;
+            }
+        }
+    }
+
+    fn run(
+        request: &GenerateRequest,
+        eos: u32,
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> (GenerateOutput, ToyChain) {
+        let mut chain = ToyChain {
+            cached: Vec::new(),
+            capacity: request.max_length(),
+        };
+        let mut head = ToyHead(config(eos));
+        let out = block_on(generate_after(&mut head, &mut chain, request, 0, on_token)).unwrap();
+        (out, chain)
+    }
+
+    fn request(prompt: &[u32], max_new_tokens: usize, drafts: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt_ids: prompt.to_vec(),
+            max_new_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_at_eos: true,
+            drafts,
+        }
+    }
+
+    const PROMPTS: [&[u32]; 4] = [&[1], &[4, 2, 7], &[0, 8, 8, 3, 5, 1, 6], &[2, 2, 2, 2]];
+    // Not a token of the toy model: no end of sequence.
+    const NO_EOS: u32 = 99;
+
+    #[test]
+    fn drafts_give_plain_decoding_tokens_in_fewer_steps() {
+        for prompt in PROMPTS {
+            for max_new in [1, 2, 3, 5, 17, 40] {
+                for drafts in [0, 1, 3, 6] {
+                    let (out, chain) = run(&request(prompt, max_new, drafts), NO_EOS, |_| {
+                        ControlFlow::Continue(())
+                    });
+                    let case = format!("prompt {prompt:?}, {max_new} tokens, drafts {drafts}");
+                    assert_eq!(out.generated_ids, rollout(prompt, max_new), "{case}");
+                    assert_eq!(out.stop_reason, StopReason::MaxNewTokens, "{case}");
+                    // The caches end holding exactly the tokens fed back.
+                    let fed = [prompt, &out.generated_ids[..max_new - 1]].concat();
+                    assert_eq!(chain.cached, fed, "{case}");
+                    assert!(out.accepted <= out.drafted, "{case}");
+                    assert_eq!(out.steps + 1 + out.accepted, max_new, "{case}");
+                    if drafts == 0 {
+                        assert_eq!(out.drafted, 0, "{case}");
+                    }
+                    if drafts > 0 && max_new == 40 {
+                        assert!(out.accepted > 0, "{case}: nothing accepted");
+                        assert!(out.steps < max_new - 1, "{case}: {} steps", out.steps);
+                    }
+                    if drafts == 6 && max_new == 40 {
+                        assert!(out.steps < max_new / 2, "{case}: {} steps", out.steps);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_end_of_sequence_inside_a_step_ends_the_answer_there() {
+        // The prompt holds the model's loop twice: drafts are accepted
+        // from the first step on, and the end of sequence comes inside one.
+        let prompt = &[PROMPTS[2], &rollout(PROMPTS[2], 24)].concat();
+        let plain = rollout(prompt, 40);
+        let eos = 3;
+        let at = plain.iter().position(|&t| t == eos).unwrap();
+        assert!(at > 4);
+        for drafts in [0, 6] {
+            let (out, chain) = run(&request(prompt, 40, drafts), eos, |_| {
+                ControlFlow::Continue(())
+            });
+            assert_eq!(out.generated_ids, plain[..=at], "drafts {drafts}");
+            assert_eq!(out.stop_reason, StopReason::EndOfSequence);
+            assert_eq!(chain.cached, [prompt, &plain[..at]].concat());
+        }
+    }
+
+    #[test]
+    fn a_cancel_inside_a_step_emits_nothing_more() {
+        let prompt = PROMPTS[3];
+        for drafts in [0, 6] {
+            let mut seen = Vec::new();
+            let (out, chain) = run(&request(prompt, 40, drafts), NO_EOS, |token| {
+                seen.push(token);
+                if seen.len() == 25 {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            });
+            assert_eq!(seen, rollout(prompt, 25));
+            assert_eq!(out.generated_ids, seen);
+            assert_eq!(out.stop_reason, StopReason::Cancelled);
+            assert_eq!(chain.cached.len(), prompt.len() + 24);
+            if drafts > 0 {
+                assert!(out.accepted > 0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_head_answering_past_its_drafts_is_an_error() {
+        struct Liar(LlamaConfig);
+        impl TokenHead for Liar {
+            fn config(&self) -> &LlamaConfig {
+                &self.0
+            }
+            async fn embed(&mut self, ids: &[u32]) -> Result<Tensor, ClientError> {
+                ToyHead(self.0.clone()).embed(ids).await
+            }
+            async fn next_token(&mut self, h: &Tensor, c: &[u32]) -> Result<u32, ClientError> {
+                ToyHead(self.0.clone()).next_token(h, c).await
+            }
+            async fn verify_drafts(
+                &mut self,
+                _: &Tensor,
+                _: &[u32],
+                drafts: &[u32],
+            ) -> Result<Vec<u32>, ClientError> {
+                Ok([drafts, &[0, 0]].concat())
+            }
+        }
+        let request = request(PROMPTS[3], 40, 6);
+        let mut chain = ToyChain {
+            cached: Vec::new(),
+            capacity: request.max_length(),
+        };
+        let out = block_on(generate_after(
+            &mut Liar(config(NO_EOS)),
+            &mut chain,
+            &request,
+            0,
+            |_| ControlFlow::Continue(()),
+        ));
+        assert!(matches!(out, Err(ClientError::Head(_))), "{out:?}");
+    }
 }

@@ -13,6 +13,7 @@
 pub mod assistant;
 pub mod chain;
 pub mod chat;
+pub mod draft;
 mod error;
 pub mod generate;
 pub mod gguf_tokenizer;
@@ -37,6 +38,7 @@ pub mod network;
 pub use assistant::{Answer, Assistant, Blocks, Conversation};
 pub use chain::{Recovery, RemoteChain, SessionSettings};
 pub use chat::{ChatMessage, ChatTemplate};
+pub use draft::DEFAULT_DRAFTS;
 pub use error::ClientError;
 pub use generate::{
     generate, generate_after, BlockChain, GenerateOutput, GenerateRequest, LocalHead, StopReason,

@@ -40,4 +40,10 @@ impl BlockChain for LocalChain {
         }
         Ok(x)
     }
+
+    fn rewind(&mut self, len: usize) {
+        for (_, cache) in &mut self.stages {
+            cache.truncate(len);
+        }
+    }
 }

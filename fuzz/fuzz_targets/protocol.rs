@@ -1,7 +1,7 @@
-//! Session requests and responses: any bytes, no panic.
+//! Session requests and responses, and pushes between servers: any bytes, no panic.
 #![no_main]
 
-use corolla_shared::protocol::{Request, Response};
+use corolla_shared::protocol::{PushStep, Request, Response};
 use corolla_shared::Limits;
 use libfuzzer_sys::fuzz_target;
 
@@ -11,5 +11,8 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(response) = Response::decode(data, &Limits::DEFAULT) {
         let _ = format!("{response:?}");
+    }
+    if let Ok(push) = PushStep::decode(data, &Limits::DEFAULT) {
+        let _ = format!("{push:?}");
     }
 });

@@ -194,4 +194,17 @@ impl ClientHead {
         let last = hidden.narrow(1, t - 1, 1)?;
         Ok(self.logits(&last)?.flatten_all()?)
     }
+
+    /// Logits of the last `rows` positions as `[rows, vocab]` f32, through
+    /// one LM-head product (a draft check needs every row of its step).
+    pub fn last_logits_rows(&self, hidden: &Tensor, rows: usize) -> Result<Tensor> {
+        let t = hidden.dim(1)?;
+        if rows == 0 || rows > t {
+            return Err(ModelError::InvalidConfig(format!(
+                "logits of the last {rows} rows of a {t}-row hidden state"
+            )));
+        }
+        let last = hidden.narrow(1, t - rows, rows)?;
+        Ok(self.logits(&last)?.squeeze(0)?)
+    }
 }

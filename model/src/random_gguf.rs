@@ -180,6 +180,37 @@ impl RandomGguf {
             name: format!("corolla-random-{}-{layers}l", shape.name()),
         }
     }
+
+    /// A "wire-shaped" Llama 2 70B for network tests: what crosses each hop
+    /// is a 70B's (`[T, 8192]` activations), while one layer computes in a
+    /// few milliseconds on a CPU, about what a GPU server holding several
+    /// 70B layers takes (~0.5 ms per layer).
+    ///
+    /// Kept from 70B: hidden size 8192, head_dim 128, the SentencePiece
+    /// vocabulary's conventions. Shrunk, since none of it changes what
+    /// crosses the wire: one query and one KV head (64/8 heads would make
+    /// attention alone ~150M multiply-adds per token and layer), an FFN of
+    /// 64 (28672 would add ~700M), and a vocabulary of 1024 (it stays on
+    /// the client; 32000 rows would cost the client ~30 ms per token here).
+    /// What is left, ~5.8M weights per layer (23 MB in f32: one decode step
+    /// is mostly reading them once), is Q8_0 in the file: servers dequantize
+    /// models this small to f32 anyway, and Q8_0 writes and loads fastest.
+    pub fn wire_shaped(layers: usize, seed: u64) -> Self {
+        let shape = ModelShape::Llama2_70b;
+        RandomGguf {
+            config: LlamaConfig {
+                num_attention_heads: 1,
+                num_key_value_heads: 1,
+                intermediate_size: 64,
+                vocab_size: 1024,
+                ..shape.config(layers)
+            },
+            vocabulary: shape,
+            quant: WeightQuant::Q8_0,
+            seed,
+            name: format!("corolla-wire-shaped-{}-{layers}l", shape.name()),
+        }
+    }
 }
 
 /// What a tensor's values look like.

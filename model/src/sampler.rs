@@ -1,7 +1,7 @@
 //! Seeded token sampling: greedy, temperature, top-k, top-p and repetition
 //! penalty, on top of candle-transformers' `LogitsProcessor`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor, D};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::error::{ModelError, Result};
@@ -77,22 +77,28 @@ impl SamplingParams {
 /// sequence of calls.
 pub struct Sampler {
     processor: LogitsProcessor,
+    sampling: Sampling,
     repetition_penalty: f32,
+    /// The draws of draft checks ([`Self::check_draft`]): `processor`'s
+    /// generator is private, and this one is seeded by the same seed.
+    rng: SplitMix64,
 }
 
 impl Sampler {
     pub fn new(params: &SamplingParams) -> Result<Self> {
         params.validate()?;
+        let sampling = params.sampling();
         Ok(Sampler {
-            processor: LogitsProcessor::from_sampling(params.seed, params.sampling()),
+            processor: LogitsProcessor::from_sampling(params.seed, sampling.clone()),
+            sampling,
             repetition_penalty: params.repetition_penalty,
+            rng: SplitMix64(params.seed ^ DRAFT_STREAM),
         })
     }
 
-    /// `logits` is `[vocab]`; `context` holds the tokens seen so far (prompt
-    /// and generated), penalised when `repetition_penalty != 1`.
-    pub fn sample(&mut self, logits: &Tensor, context: &[u32]) -> Result<u32> {
-        let logits = if self.repetition_penalty == 1.0 {
+    /// `logits` with the repetition penalty of `context` applied.
+    fn penalized(&self, logits: &Tensor, context: &[u32]) -> Result<Tensor> {
+        Ok(if self.repetition_penalty == 1.0 {
             logits.clone()
         } else {
             candle_transformers::utils::apply_repeat_penalty(
@@ -100,8 +106,170 @@ impl Sampler {
                 self.repetition_penalty,
                 context,
             )?
-        };
+        })
+    }
+
+    /// `logits` is `[vocab]`; `context` holds the tokens seen so far (prompt
+    /// and generated), penalised when `repetition_penalty != 1`.
+    pub fn sample(&mut self, logits: &Tensor, context: &[u32]) -> Result<u32> {
+        let logits = self.penalized(logits, context)?;
         Ok(self.processor.sample(&logits)?)
+    }
+
+    /// Whether greedy: the same logits always give the same token.
+    pub fn is_greedy(&self) -> bool {
+        matches!(self.sampling, Sampling::ArgMax)
+    }
+
+    /// The distribution [`Self::sample`] draws from for `logits` after
+    /// `context` (penalty, temperature, top-k, top-p, as candle's
+    /// `LogitsProcessor` computes them), over the whole vocabulary and
+    /// summing to 1. Greedy: all of it on the argmax.
+    pub fn probabilities(&self, logits: &Tensor, context: &[u32]) -> Result<Vec<f32>> {
+        let logits = self.penalized(logits, context)?.to_dtype(DType::F32)?;
+        let temperature = match &self.sampling {
+            Sampling::ArgMax | Sampling::GumbelSoftmax { .. } => {
+                let mut probs = vec![0.0; logits.dim(0)?];
+                let best = logits.argmax(D::Minus1)?.to_scalar::<u32>()? as usize;
+                if let Some(p) = probs.get_mut(best) {
+                    *p = 1.0;
+                }
+                return Ok(probs);
+            }
+            Sampling::All { temperature }
+            | Sampling::TopK { temperature, .. }
+            | Sampling::TopP { temperature, .. }
+            | Sampling::TopKThenTopP { temperature, .. } => *temperature,
+        };
+        let mut probs =
+            candle_nn::ops::softmax_last_dim(&(&logits / temperature)?)?.to_vec1::<f32>()?;
+        match &self.sampling {
+            Sampling::TopP { p, .. } if *p > 0.0 && *p < 1.0 => top_p(&mut probs, *p as f32),
+            Sampling::TopK { k, .. } => top_k(&mut probs, *k),
+            Sampling::TopKThenTopP { k, p, .. } => {
+                top_k(&mut probs, *k);
+                // As candle does: top-p on the top k's own (unnormalised)
+                // mass, and only when it cuts into it.
+                let kept: f32 = probs.iter().sum();
+                let p = *p as f32;
+                if p > 0.0 && p < kept {
+                    top_p(&mut probs, p);
+                }
+            }
+            _ => {}
+        }
+        let total: f32 = probs.iter().sum();
+        if !(total.is_finite() && total > 0.0) {
+            return Err(ModelError::InvalidSampling(format!(
+                "logits give no distribution to sample (total {total})"
+            )));
+        }
+        probs.iter_mut().for_each(|p| *p /= total);
+        Ok(probs)
+    }
+
+    /// Draws a token from `probs` (weights, not necessarily normalised)
+    /// with the draft checks' random sequence; `None` if they have no mass.
+    pub fn sample_from(&mut self, probs: &[f32]) -> Option<u32> {
+        let total: f64 = probs.iter().map(|&p| f64::from(p.max(0.0))).sum();
+        if !(total.is_finite() && total > 0.0) {
+            return None;
+        }
+        let target = self.rng.next_f64() * total;
+        let mut cumulative = 0.0;
+        let mut last = None;
+        for (i, &p) in probs.iter().enumerate() {
+            if p > 0.0 {
+                cumulative += f64::from(p);
+                last = Some(i as u32);
+                if target < cumulative {
+                    return last;
+                }
+            }
+        }
+        // Rounding left the target past the sum: the last token with mass.
+        last
+    }
+
+    /// Speculative sampling's check of a `draft` token proposed after
+    /// `context`, where `logits` are the model's at that position: `None`
+    /// accepts it, `Some(token)` rejects it and says what comes instead.
+    /// Greedy: accepted when it is the argmax, else the argmax. Sampling
+    /// (a draft that is a point mass, as prompt lookup's is): accepted with
+    /// probability p(draft), else a token drawn from p without the draft,
+    /// renormalised; so the token that results is distributed as p.
+    pub fn check_draft(
+        &mut self,
+        logits: &Tensor,
+        context: &[u32],
+        draft: u32,
+    ) -> Result<Option<u32>> {
+        if self.is_greedy() {
+            let logits = self.penalized(logits, context)?;
+            let best = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            return Ok((best != draft).then_some(best));
+        }
+        let mut probs = self.probabilities(logits, context)?;
+        let Some(p_draft) = probs.get_mut(draft as usize) else {
+            // Not a token of this vocabulary: never what the model says.
+            return Ok(self.sample_from(&probs));
+        };
+        let accept = f64::from(*p_draft);
+        *p_draft = 0.0;
+        if self.rng.next_f64() < accept {
+            return Ok(None);
+        }
+        // No mass left without the draft: p(draft) was 1 up to rounding.
+        Ok(self.sample_from(&probs))
+    }
+}
+
+/// Keeps the `k` most likely tokens (ties as candle breaks them).
+fn top_k(probs: &mut [f32], k: usize) {
+    if k >= probs.len() {
+        return;
+    }
+    let mut order = (0..probs.len()).collect::<Vec<_>>();
+    order.select_nth_unstable_by(k, |&i, &j| probs[j].total_cmp(&probs[i]));
+    for &i in &order[k..] {
+        probs[i] = 0.0;
+    }
+}
+
+/// Keeps the most likely tokens until their mass reaches `p`, as candle's
+/// nucleus sampling does.
+fn top_p(probs: &mut [f32], p: f32) {
+    let mut order = (0..probs.len()).collect::<Vec<_>>();
+    order.sort_by(|&i, &j| probs[j].total_cmp(&probs[i]));
+    let mut cumulative = 0.0;
+    for i in order {
+        if cumulative >= p {
+            probs[i] = 0.0;
+        } else {
+            cumulative += probs[i];
+        }
+    }
+}
+
+/// Keeps the draft checks' stream apart from a seed's other uses.
+const DRAFT_STREAM: u64 = 0x5eed_d4af_7c0e_c4e5;
+
+/// SplitMix64 (Steele, Lea, Flood 2014): small, seedable, and the same on
+/// every target, which is all a sampler's uniform draws need.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`, 53 random bits.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 }
 
@@ -170,6 +338,173 @@ mod tests {
         };
         let mut s = Sampler::new(&p).unwrap();
         assert_eq!(s.sample(&logits(), &[1]).unwrap(), 2);
+    }
+
+    fn softmax(logits: &[f32], temperature: f32) -> Vec<f64> {
+        let e: Vec<f64> = logits
+            .iter()
+            .map(|&l| f64::from(l / temperature).exp())
+            .collect();
+        let total: f64 = e.iter().sum();
+        e.iter().map(|x| x / total).collect()
+    }
+
+    /// Pearson's chi-square of `counts` against `expected` probabilities
+    /// (cells of zero probability must stay empty).
+    fn chi_square(counts: &[usize], expected: &[f64]) -> f64 {
+        let n: usize = counts.iter().sum();
+        counts
+            .iter()
+            .zip(expected)
+            .map(|(&c, &p)| {
+                if p == 0.0 {
+                    assert_eq!(c, 0, "a token of probability 0 was drawn");
+                    0.0
+                } else {
+                    let e = p * n as f64;
+                    (c as f64 - e).powi(2) / e
+                }
+            })
+            .sum()
+    }
+
+    // Five degrees of freedom: 30 is far past the 1e-5 tail (~28.3), so
+    // only a biased rule fails, and the seeds make it deterministic.
+    const CHI_SQUARE_BOUND: f64 = 30.0;
+    const DRAWS: usize = 20_000;
+
+    #[test]
+    fn probabilities_match_what_sample_draws() {
+        let l = [0.1f32, 2.0, 1.9, -1.0, 0.5, 1.5];
+        for (params, kept) in [
+            (
+                SamplingParams {
+                    temperature: 0.8,
+                    seed: 3,
+                    ..Default::default()
+                },
+                6,
+            ),
+            (
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: Some(3),
+                    seed: 4,
+                    ..Default::default()
+                },
+                3,
+            ),
+            (
+                SamplingParams {
+                    temperature: 1.0,
+                    top_p: Some(0.7),
+                    seed: 5,
+                    ..Default::default()
+                },
+                3,
+            ),
+            (
+                SamplingParams {
+                    temperature: 1.2,
+                    top_k: Some(4),
+                    top_p: Some(0.6),
+                    seed: 6,
+                    ..Default::default()
+                },
+                2,
+            ),
+        ] {
+            let mut s = Sampler::new(&params).unwrap();
+            let probs = s.probabilities(&logits(), &[]).unwrap();
+            assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+            assert_eq!(
+                probs.iter().filter(|&&p| p > 0.0).count(),
+                kept,
+                "{params:?}"
+            );
+            let mut counts = vec![0; l.len()];
+            for _ in 0..DRAWS {
+                counts[s.sample(&logits(), &[]).unwrap() as usize] += 1;
+            }
+            let expected: Vec<f64> = probs.iter().map(|&p| f64::from(p)).collect();
+            let chi = chi_square(&counts, &expected);
+            assert!(chi < CHI_SQUARE_BOUND, "{params:?}: chi-square {chi}");
+        }
+        let greedy = Sampler::new(&SamplingParams::greedy()).unwrap();
+        assert_eq!(
+            greedy.probabilities(&logits(), &[]).unwrap(),
+            vec![0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn speculative_checks_keep_the_distribution() {
+        let l = [0.1f32, 2.0, 1.9, -1.0, 0.5, 1.5];
+        let expected = softmax(&l, 1.0);
+        // A likely draft, an unlikely one, and one outside the vocabulary.
+        for (seed, draft) in [(11u64, 1u32), (12, 3), (13, 4), (14, 99)] {
+            let mut s = Sampler::new(&SamplingParams {
+                temperature: 1.0,
+                seed,
+                ..Default::default()
+            })
+            .unwrap();
+            let mut counts = vec![0; l.len()];
+            let mut accepted = 0;
+            for _ in 0..DRAWS {
+                let token = match s.check_draft(&logits(), &[], draft).unwrap() {
+                    None => {
+                        accepted += 1;
+                        draft
+                    }
+                    Some(token) => {
+                        assert_ne!(token, draft, "a rejected draft came back");
+                        token
+                    }
+                };
+                counts[token as usize] += 1;
+            }
+            let chi = chi_square(&counts, &expected);
+            assert!(chi < CHI_SQUARE_BOUND, "draft {draft}: chi-square {chi}");
+            // Acceptance itself happens at rate p(draft).
+            let p = expected.get(draft as usize).copied().unwrap_or(0.0);
+            let rate = accepted as f64 / DRAWS as f64;
+            assert!(
+                (rate - p).abs() < 0.02,
+                "draft {draft}: accepted {rate}, p {p}"
+            );
+        }
+        // With top-k the residual stays inside the top k.
+        let mut s = Sampler::new(&SamplingParams {
+            temperature: 1.0,
+            top_k: Some(2),
+            seed: 15,
+            ..Default::default()
+        })
+        .unwrap();
+        let top2 = softmax(&[2.0, 1.9], 1.0);
+        let mut counts = vec![0; 2];
+        for _ in 0..DRAWS {
+            let token = s.check_draft(&logits(), &[], 2).unwrap().unwrap_or(2);
+            assert!(token == 1 || token == 2, "{token} is outside the top 2");
+            counts[token as usize - 1] += 1;
+        }
+        assert!(chi_square(&counts, &top2) < CHI_SQUARE_BOUND);
+    }
+
+    #[test]
+    fn greedy_checks_accept_exactly_the_argmax() {
+        let mut s = Sampler::new(&SamplingParams::greedy()).unwrap();
+        assert_eq!(s.check_draft(&logits(), &[], 1).unwrap(), None);
+        assert_eq!(s.check_draft(&logits(), &[], 2).unwrap(), Some(1));
+        // The penalty applies with the row's own context.
+        let mut s = Sampler::new(&SamplingParams {
+            repetition_penalty: 10.0,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(s.check_draft(&logits(), &[1], 2).unwrap(), None);
+        assert_eq!(s.check_draft(&logits(), &[], 2).unwrap(), Some(1));
     }
 
     #[test]

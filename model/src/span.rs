@@ -287,6 +287,12 @@ impl SessionCache {
         self.capacity
     }
 
+    /// Forgets positions `len..` (kept as they are until overwritten): the
+    /// next step may start at `len` at the latest.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// The absolute layers this cache serves.
     pub fn layers(&self) -> std::ops::Range<usize> {
         self.first_layer..self.first_layer + self.layers.len()

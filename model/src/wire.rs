@@ -1,7 +1,7 @@
 //! Conversions between candle tensors and wire payloads.
 
 use candle_core::{DType, Device, Tensor};
-use corolla_shared::{TensorPayload, TensorView, WireDType};
+use corolla_shared::{Compression, TensorPayload, TensorView, WireDType};
 
 use crate::error::{ModelError, Result};
 
@@ -48,8 +48,13 @@ pub fn to_payload(tensor: &Tensor, dtype: WireDType) -> Result<TensorPayload> {
         .map_err(|e| ModelError::InvalidConfig(e.to_string()))
 }
 
-/// Builds a tensor from received bytes (one copy, into the tensor's storage).
+/// Builds a tensor from received bytes (one copy, into the tensor's
+/// storage; compressed bytes are decompressed first).
 pub fn from_view(view: &TensorView<'_>, device: &Device) -> Result<Tensor> {
+    if view.compression != Compression::None {
+        let plain = view.to_owned().decompressed();
+        return from_view(&plain.view(), device);
+    }
     Ok(Tensor::from_raw_buffer(
         view.data,
         candle_dtype(view.dtype),

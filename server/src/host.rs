@@ -10,6 +10,7 @@ use std::time::Duration;
 use corolla_model::fingerprint::{block_hashes, fingerprint};
 use corolla_model::{BlockSpan, Checkpoint, DType, Device};
 use corolla_shared::node::{Announcement, LiveFigures};
+
 use corolla_shared::{Limits, ServerRecord};
 use tokio::sync::watch;
 
@@ -18,6 +19,7 @@ use crate::compute::{ComputeCore, ComputeSettings};
 use crate::error::ServerError;
 use crate::hub::ModelSource;
 use crate::measure::{measure, Throughput};
+use crate::push::PushInboxes;
 use crate::session::SessionContext;
 
 /// Loads spans of the model this server serves, as often as it moves.
@@ -84,6 +86,10 @@ pub(crate) struct HostSettings {
     pub corrupt_outputs: f64,
     pub compute: ComputeSettings,
     pub update_period: Duration,
+    /// Every session's push inbox; one registry whichever span is hosted.
+    pub pushes: Arc<PushInboxes>,
+    /// For pushes to the next servers of clients' routes.
+    pub control: libp2p_stream::Control,
 }
 
 /// A span in service: its sessions' context and the switch that tells
@@ -131,6 +137,8 @@ impl HostSettings {
             corrupt_outputs: self.corrupt_outputs,
             shutdown,
             record: Mutex::new(record),
+            pushes: self.pushes.clone(),
+            control: self.control.clone(),
         };
         Ok(Hosted {
             ctx: Arc::new(ctx),

@@ -18,6 +18,7 @@ mod identity;
 mod measure;
 mod memory;
 mod placement;
+mod push;
 mod rebalance;
 mod server;
 mod session;

@@ -11,6 +11,7 @@ use corolla_model::fingerprint::default_model_name;
 use corolla_model::{Checkpoint, Device, LlamaConfig, ModelError};
 use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::node::{Node, NodeEvent, NodeHandle};
+
 use corolla_shared::peers::parse_peer_list;
 use corolla_shared::protocol::{ErrorCode, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use corolla_shared::{framing, native, Limits, ServerRecord};
@@ -28,6 +29,7 @@ use crate::host::{HostSettings, SpanHost, SpanLoader};
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
 use crate::placement::choose_blocks;
+use crate::push::{accept_pushes, PushInboxes};
 use crate::rebalance::Rebalancer;
 use crate::session::serve;
 
@@ -514,6 +516,8 @@ impl Server {
             corrupt_outputs: args.corrupt_outputs,
             compute: args.compute_settings(),
             update_period: args.update_period,
+            pushes: Arc::new(PushInboxes::default()),
+            control: handle.control(),
         });
         if args.corrupt_outputs > 0.0 {
             tracing::warn!(
@@ -527,7 +531,14 @@ impl Server {
         // Streams not yet holding a session cost a little each: a few more
         // than a peer's sessions, a few more than all sessions in total.
         let streams = Quota::new(per_peer + 2, args.max_sessions.saturating_mul(2) + 8);
-        tasks.push(accept_sessions(&handle, host.clone(), streams)?);
+        tasks.push(accept_sessions(&handle, host.clone(), streams.clone())?);
+        tasks.push(accept_pushes(
+            &mut handle.control(),
+            settings.pushes.clone(),
+            settings.limits,
+            args.session_timeout,
+            streams,
+        )?);
         tasks.push(accept_info(&handle, host.clone())?);
         let http = match crate::http::start(
             &args,

@@ -12,9 +12,9 @@ use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
 use corolla_model::{DType, Tensor};
 use corolla_shared::flow::{FlowSender, MIN_WINDOW};
-use corolla_shared::framing::{read_frame, write_frame};
-use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response};
-use corolla_shared::{Limits, ServerRecord, TensorView, WireDType};
+use corolla_shared::framing::{write_frame, FrameReader};
+use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response, StepHeader};
+use corolla_shared::{Compression, Limits, ServerRecord, TensorPayload, TensorView, WireDType};
 use futures::AsyncWriteExt;
 use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use crate::admission::{BudgetFull, CacheBudget, Quota, Refusal, Reservation, Slot};
 use crate::compute::{CacheLease, ComputeCore};
 use crate::error::ComputeError;
+use crate::push::{Inbox, PushInboxes, PushLink, Pushed};
 
 /// Bad requests in a row after which a stream is closed.
 pub(crate) const MAX_BAD_REQUESTS_IN_A_ROW: usize = 3;
@@ -53,6 +54,10 @@ pub(crate) struct SessionContext {
     pub shutdown: watch::Receiver<bool>,
     /// The announced record; live fields are filled in by [`Self::record`].
     pub record: Mutex<ServerRecord>,
+    /// Every session's push inbox, by token (shared by every span hosted).
+    pub pushes: Arc<PushInboxes>,
+    /// Opens push streams to the next servers of clients' routes.
+    pub control: libp2p_stream::Control,
 }
 
 impl SessionContext {
@@ -82,7 +87,13 @@ struct Session {
     /// Positions the cache holds.
     len: usize,
     dtype: WireDType,
+    /// How the client asked outputs to be compressed.
+    compression: Compression,
     max_length: usize,
+    /// Where other servers' pushes for this session arrive.
+    inbox: Inbox,
+    /// Toward the next server of the client's route, once pushed to.
+    push_link: PushLink,
     _slot: Slot,
     _reservation: Reservation,
 }
@@ -94,9 +105,11 @@ fn refuse(code: ErrorCode, message: impl Into<String>) -> Reply {
 }
 
 /// The server's end of one session stream: it owns the framing (plain, or
-/// flow-controlled once an Open asked for it) and every deadline on it.
+/// flow-controlled once an Open asked for it; read through one cancel-safe
+/// reader, which waits for pushes too) and every deadline on it.
 struct SessionStream {
     stream: Stream,
+    reader: FrameReader,
     flow: Option<FlowSender>,
 }
 
@@ -112,7 +125,10 @@ impl SessionStream {
         };
         let write = async {
             match &mut self.flow {
-                Some(flow) => flow.write_frame(&mut self.stream, &frame).await,
+                Some(flow) => {
+                    flow.write_frame(&mut self.stream, &mut self.reader, &frame)
+                        .await
+                }
                 None => write_frame(&mut self.stream, &frame).await,
             }
         };
@@ -127,11 +143,22 @@ impl SessionStream {
 /// What the next frame turned out to be.
 enum Incoming {
     Frame,
+    Pushed(Pushed),
     End,
     Idle,
     ShuttingDown,
     /// Unreadable: the stream is out of sync (`Some`: tell the peer why).
     Broken(Option<String>),
+}
+
+/// The next step another server pushed to `session`.
+async fn next_push(session: &mut Option<Session>) -> Pushed {
+    if let Some(s) = session {
+        if let Some(pushed) = s.inbox.receiver.recv().await {
+            return pushed;
+        }
+    }
+    std::future::pending().await
 }
 
 async fn shutting_down(shutdown: &mut watch::Receiver<bool>) {
@@ -151,30 +178,36 @@ pub(crate) async fn serve(
     ctx: Arc<SessionContext>,
     stream_slot: Slot,
 ) {
-    let mut io = SessionStream { stream, flow: None };
-    let mut buf = Vec::new();
+    let mut io = SessionStream {
+        stream,
+        reader: FrameReader::new(ctx.limits.max_frame_bytes()),
+        flow: None,
+    };
     let mut session: Option<Session> = None;
     let mut shutdown = ctx.shutdown.clone();
+    let mut control = ctx.control.clone();
     let mut idle_until = Instant::now() + ctx.idle_timeout;
     let mut bad_in_a_row = 0;
-    let max_frame = ctx.limits.max_frame_bytes();
     loop {
         let incoming = tokio::select! {
-            read = tokio::time::timeout_at(idle_until, read_frame(&mut io.stream, max_frame, &mut buf)) => match read {
+            read = tokio::time::timeout_at(idle_until, io.reader.next_frame(&mut io.stream)) => match read {
                 Err(_) => Incoming::Idle,
-                Ok(Ok(true)) => Incoming::Frame,
-                Ok(Ok(false)) => Incoming::End,
+                Ok(Ok(Some(_))) => Incoming::Frame,
+                Ok(Ok(None)) => Incoming::End,
                 Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => Incoming::Broken(Some(e.to_string())),
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "session stream failed");
                     Incoming::Broken(None)
                 }
             },
+            pushed = next_push(&mut session) => Incoming::Pushed(pushed),
             _ = shutting_down(&mut shutdown) => Incoming::ShuttingDown,
         };
         let deadline = ctx.write_deadline();
+        let mut pushed_step = None;
         match incoming {
             Incoming::Frame => {}
+            Incoming::Pushed(pushed) => pushed_step = Some(pushed),
             Incoming::End => break,
             Incoming::Idle => {
                 let msg = format!(
@@ -197,50 +230,58 @@ pub(crate) async fn serve(
                 break;
             }
         }
-        let reply = match Request::decode(&buf, &ctx.limits) {
-            Err(e) => refuse(ErrorCode::BadFrame, format!("malformed request: {e}")),
-            Ok(Request::Close) => break,
-            Ok(Request::Ack { received }) => match io.flow.as_mut().map(|f| f.on_ack(received)) {
-                // Acknowledgements are no progress: they do not keep a session alive.
-                Some(Ok(())) => continue,
-                Some(Err(e)) => refuse(ErrorCode::BadFrame, e.to_string()),
-                None => refuse(
-                    ErrorCode::BadFrame,
-                    "an acknowledgement without flow control",
-                ),
-            },
-            Ok(Request::Open(open)) => match &session {
-                Some(_) => refuse(
-                    ErrorCode::BadFrame,
-                    "a session is already open on this stream",
-                ),
-                None => {
-                    // From here on the client reads under its window, even a refusal.
-                    if open.flow_window >= MIN_WINDOW && io.flow.is_none() {
-                        io.flow = Some(FlowSender::new(open.flow_window));
-                    }
-                    open_session(&ctx, peer, &open).await.map(|s| {
+        let reply = if let Some(pushed) = pushed_step {
+            tracing::trace!(%peer, from = %pushed.from, step = pushed.header.step_id, "a pushed step");
+            let (s, reply) = run_step(
+                &ctx,
+                session.take(),
+                &mut control,
+                &pushed.header,
+                &pushed.hidden.view(),
+            )
+            .await;
+            session = s;
+            reply
+        } else {
+            match Request::decode(io.reader.frame(), &ctx.limits) {
+                Err(e) => refuse(ErrorCode::BadFrame, format!("malformed request: {e}")),
+                Ok(Request::Close) => break,
+                Ok(Request::Ack { received }) => match io.flow.as_mut().map(|f| f.on_ack(received))
+                {
+                    // Acknowledgements are no progress: they do not keep a session alive.
+                    Some(Ok(())) => continue,
+                    Some(Err(e)) => refuse(ErrorCode::BadFrame, e.to_string()),
+                    None => refuse(
+                        ErrorCode::BadFrame,
+                        "an acknowledgement without flow control",
+                    ),
+                },
+                Ok(Request::Open(open)) => match &session {
+                    Some(_) => refuse(
+                        ErrorCode::BadFrame,
+                        "a session is already open on this stream",
+                    ),
+                    None => {
+                        // From here on the client reads under its window, even a refusal.
+                        if open.flow_window >= MIN_WINDOW && io.flow.is_none() {
+                            io.flow = Some(FlowSender::new(open.flow_window));
+                        }
+                        open_session(&ctx, peer, &open).await.map(|s| {
                         let max_length = s.max_length as u32;
+                        let token = s.inbox.token();
                         tracing::debug!(%peer, start = open.start, end = open.end, max_length, "session opened");
                         session = Some(s);
-                        Response::Opened { max_length }.encode()
+                        Response::Opened { max_length, token }.encode()
                     })
-                }
-            },
-            Ok(Request::Step {
-                start_position,
-                hidden,
-            }) => match session.take() {
-                None => refuse(
-                    ErrorCode::UnknownSession,
-                    "no session is open on this stream; send Open first",
-                ),
-                Some(s) => {
-                    let (s, reply) = step(&ctx, s, start_position as usize, &hidden).await;
+                    }
+                },
+                Ok(Request::Step { header, hidden }) => {
+                    let (s, reply) =
+                        run_step(&ctx, session.take(), &mut control, &header, &hidden).await;
                     session = s;
                     reply
                 }
-            },
+            }
         };
         let reply = match reply {
             Ok(frame) => {
@@ -362,11 +403,54 @@ async fn open_session(
         cache,
         len: 0,
         dtype: open.dtype,
+        compression: open.compression,
         max_length,
+        inbox: ctx.pushes.open(),
+        push_link: PushLink::default(),
         _slot: slot,
         _reservation: reservation,
     })
 }
+
+/// Runs one step of the client's or one pushed to this session; pushes the
+/// output on when the step names a next session (critical path first),
+/// then answers the client.
+async fn run_step(
+    ctx: &SessionContext,
+    session: Option<Session>,
+    control: &mut libp2p_stream::Control,
+    header: &StepHeader,
+    hidden: &TensorView<'_>,
+) -> (Option<Session>, Reply) {
+    let Some(s) = session else {
+        return (
+            None,
+            refuse(
+                ErrorCode::UnknownSession,
+                "no session is open on this stream; send Open first",
+            ),
+        );
+    };
+    let (mut s, out) = step(ctx, s, header.start_position as usize, hidden).await;
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => return (s, Err(e)),
+    };
+    let pushed = match &mut s {
+        Some(s) if !header.push.is_empty() => s.push_link.push(control, header, &out).await,
+        _ => false,
+    };
+    let frame = Response::StepOut {
+        step_id: header.step_id,
+        pushed,
+        hidden: out.view(),
+    }
+    .encode();
+    (s, Ok(frame))
+}
+
+/// The output of a step, or why there is none.
+type StepResult = Result<TensorPayload, (ErrorCode, String)>;
 
 /// Runs one step; the session comes back unless the computation panicked.
 async fn step(
@@ -374,7 +458,7 @@ async fn step(
     s: Session,
     start: usize,
     hidden: &TensorView<'_>,
-) -> (Option<Session>, Reply) {
+) -> (Option<Session>, StepResult) {
     match check_step(ctx, &s, start, hidden) {
         Err(e) => (Some(s), Err(e)),
         Ok(()) => compute_step(ctx, s, start, hidden).await,
@@ -419,11 +503,11 @@ async fn compute_step(
     mut s: Session,
     start: usize,
     hidden: &TensorView<'_>,
-) -> (Option<Session>, Reply) {
+) -> (Option<Session>, StepResult) {
     let span = ctx.core.span();
     let input = match from_view(hidden, span.device()) {
         Ok(x) => x,
-        Err(e) => return (Some(s), refuse(ErrorCode::BadShape, e.to_string())),
+        Err(e) => return (Some(s), Err((ErrorCode::BadShape, e.to_string()))),
     };
     let positions = hidden.shape[1];
     if !ctx.step_delay.is_zero() {
@@ -437,21 +521,19 @@ async fn compute_step(
             tracing::error!(why, "a session's cache was lost");
             return (
                 None,
-                refuse(ErrorCode::Internal, format!("{why}; session ended")),
+                Err((ErrorCode::Internal, format!("{why}; session ended"))),
             );
         }
-        Err(e) => return (Some(s), refuse(ErrorCode::Internal, e.to_string())),
+        Err(e) => return (Some(s), Err((ErrorCode::Internal, e.to_string()))),
     };
     s.len = start + positions;
     let payload = (if corrupt { add_noise(&out) } else { Ok(out) })
-        .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire));
-    match payload {
-        Ok(out) => {
-            let frame = Response::StepOut { hidden: out.view() }.encode();
-            (Some(s), Ok(frame))
-        }
-        Err(e) => (Some(s), refuse(ErrorCode::Internal, e.to_string())),
-    }
+        .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire))
+        .map(|out| out.compressed(s.compression));
+    (
+        Some(s),
+        payload.map_err(|e| (ErrorCode::Internal, e.to_string())),
+    )
 }
 
 /// `--corrupt-outputs`: plausible but wrong activations, `y` plus Gaussian

@@ -17,7 +17,7 @@ use std::io;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::framing::read_frame;
+use crate::framing::FrameReader;
 use crate::limits::Limits;
 use crate::protocol::{Request, MAX_MESSAGE_LEN};
 
@@ -99,23 +99,26 @@ impl FlowSender {
         Ok(())
     }
 
-    /// Writes one frame, waiting for acknowledgements (read from `io`, where
-    /// nothing else may arrive meanwhile) whenever the window is full.
+    /// Writes one frame, waiting for acknowledgements (read from `io`
+    /// through `reader`, the stream's one reader, where nothing else may
+    /// arrive meanwhile) whenever the window is full.
     pub async fn write_frame<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
         io: &mut S,
+        reader: &mut FrameReader,
         payload: &[u8],
     ) -> io::Result<()> {
         let frame = length_prefixed(payload)?;
         let piece = (self.window as usize).min(MAX_PIECE);
-        let mut ack_buf = Vec::new();
         for chunk in frame.chunks(piece) {
             while self.sent + chunk.len() as u64 > self.acked + self.window {
-                let got = read_frame(io, MAX_MESSAGE_LEN, &mut ack_buf).await?;
-                if !got {
+                let Some(ack) = reader.next_frame(io).await? else {
                     return Err(io::ErrorKind::UnexpectedEof.into());
+                };
+                if ack.len() > MAX_MESSAGE_LEN {
+                    return Err(invalid("expected an acknowledgement while sending"));
                 }
-                match Request::decode(&ack_buf, &Limits::DEFAULT) {
+                match Request::decode(ack, &Limits::DEFAULT) {
                     Ok(Request::Ack { received }) => self.on_ack(received)?,
                     _ => return Err(invalid("expected an acknowledgement while sending")),
                 }
@@ -219,6 +222,7 @@ impl FlowReceiver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::framing::read_frame;
     use futures::executor::block_on;
     use futures::io::{AsyncRead, AsyncWrite};
     use std::pin::Pin;
@@ -356,8 +360,15 @@ mod tests {
             let mut sender = FlowSender::new(BROWSER_WINDOW);
             let mut receiver = FlowReceiver::new(BROWSER_WINDOW);
             let send = async {
-                sender.write_frame(&mut server, &big).await.unwrap();
-                sender.write_frame(&mut server, b"small").await.unwrap();
+                let mut reader = FrameReader::new(1 << 20);
+                sender
+                    .write_frame(&mut server, &mut reader, &big)
+                    .await
+                    .unwrap();
+                sender
+                    .write_frame(&mut server, &mut reader, b"small")
+                    .await
+                    .unwrap();
             };
             let recv = async {
                 let mut a = Vec::new();

@@ -62,6 +62,107 @@ pub(crate) async fn read_body<R: AsyncRead + Unpin>(
 /// How much a frame's buffer grows per read at most.
 const GROWTH_STEP: usize = 64 * 1024;
 
+/// Reads frames one after another and keeps a partly read frame between
+/// calls, so [`FrameReader::next_frame`] may be cancelled (a `select!` arm
+/// losing to another) without losing or desynchronising a byte: each await
+/// is one read whose bytes are stored before anything else awaits.
+#[derive(Debug)]
+pub struct FrameReader {
+    max_len: usize,
+    header: [u8; 4],
+    header_filled: usize,
+    body: Vec<u8>,
+    /// The body's announced length, once the header is complete.
+    body_len: Option<usize>,
+    /// The last frame was handed out; the next call starts a new one.
+    done: bool,
+}
+
+impl FrameReader {
+    pub fn new(max_len: usize) -> Self {
+        FrameReader {
+            max_len,
+            header: [0; 4],
+            header_filled: 0,
+            body: Vec::new(),
+            body_len: None,
+            done: false,
+        }
+    }
+
+    /// Frames longer than `max_len` are refused from the next frame on.
+    pub fn set_max_len(&mut self, max_len: usize) {
+        self.max_len = max_len;
+    }
+
+    /// The frame [`Self::next_frame`] returned last (empty before any).
+    pub fn frame(&self) -> &[u8] {
+        if self.done {
+            &self.body
+        } else {
+            &[]
+        }
+    }
+
+    /// Bytes of a frame read but not yet complete.
+    pub fn in_progress(&self) -> bool {
+        !self.done && (self.header_filled > 0 || self.body_len.is_some())
+    }
+
+    /// The next frame's body, or `None` at a clean end of stream. Cancel-safe.
+    pub async fn next_frame<R: AsyncRead + Unpin>(
+        &mut self,
+        io: &mut R,
+    ) -> io::Result<Option<&[u8]>> {
+        if self.done {
+            self.done = false;
+            self.header_filled = 0;
+            self.body_len = None;
+            self.body.clear();
+            if self.body.capacity() > GROWTH_STEP {
+                self.body.shrink_to(GROWTH_STEP);
+            }
+        }
+        while self.header_filled < 4 {
+            let n = io.read(&mut self.header[self.header_filled..]).await?;
+            if n == 0 {
+                return if self.header_filled == 0 {
+                    Ok(None)
+                } else {
+                    Err(io::ErrorKind::UnexpectedEof.into())
+                };
+            }
+            self.header_filled += n;
+        }
+        let len = match self.body_len {
+            Some(len) => len,
+            None => {
+                let len = u32::from_le_bytes(self.header) as usize;
+                if len > self.max_len {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("frame of {len} bytes exceeds the limit of {}", self.max_len),
+                    ));
+                }
+                self.body_len = Some(len);
+                len
+            }
+        };
+        let mut chunk = [0u8; 8192];
+        while self.body.len() < len {
+            let want = (len - self.body.len()).min(chunk.len());
+            let n = io.read(&mut chunk[..want]).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            // Grows with what arrived, never from the announced length.
+            self.body.extend_from_slice(&chunk[..n]);
+        }
+        self.done = true;
+        Ok(Some(&self.body))
+    }
+}
+
 /// Writes one frame and flushes it.
 pub async fn write_frame<W: AsyncWrite + Unpin>(io: &mut W, payload: &[u8]) -> io::Result<()> {
     let len = u32::try_from(payload.len())
@@ -101,6 +202,59 @@ mod tests {
                 .unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
         });
+    }
+
+    #[test]
+    fn a_frame_reader_survives_cancellation_mid_frame() {
+        use futures::FutureExt;
+        // A reader that yields one byte per poll and is Pending every other poll.
+        struct Trickle {
+            bytes: Vec<u8>,
+            at: usize,
+            pending: bool,
+        }
+        impl AsyncRead for Trickle {
+            fn poll_read(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                out: &mut [u8],
+            ) -> std::task::Poll<io::Result<usize>> {
+                self.pending = !self.pending;
+                if self.pending {
+                    cx.waker().wake_by_ref();
+                    return std::task::Poll::Pending;
+                }
+                if self.at == self.bytes.len() || out.is_empty() {
+                    return std::task::Poll::Ready(Ok(0));
+                }
+                out[0] = self.bytes[self.at];
+                self.at += 1;
+                std::task::Poll::Ready(Ok(1))
+            }
+        }
+        let mut wire = Cursor::new(Vec::new());
+        block_on(async {
+            write_frame(&mut wire, b"first frame").await.unwrap();
+            write_frame(&mut wire, b"second").await.unwrap();
+        });
+        let mut io = Trickle {
+            bytes: wire.into_inner(),
+            at: 0,
+            pending: false,
+        };
+        let mut reader = FrameReader::new(64);
+        let mut frames = Vec::new();
+        // Poll once and drop the future, over and over: every byte still lands.
+        for _ in 0..1000 {
+            let next = reader.next_frame(&mut io).now_or_never();
+            match next {
+                Some(Ok(Some(frame))) => frames.push(frame.to_vec()),
+                Some(Ok(None)) => break,
+                Some(Err(e)) => panic!("{e}"),
+                None => {}
+            }
+        }
+        assert_eq!(frames, vec![b"first frame".to_vec(), b"second".to_vec()]);
     }
 
     #[test]

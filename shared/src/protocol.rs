@@ -4,11 +4,20 @@
 //! One libp2p stream carries one inference session:
 //!
 //! ```text
-//! client: Open{model, fingerprint, span, max_length, dtype}   server: Opened{max_length}
-//! client: Step{start_position, hidden[1, T, H]}               server: StepOut{hidden} | Error
+//! client: Open{model, fingerprint, span, max_length, dtype}   server: Opened{max_length, token}
+//! client: Step{start_position, step_id, push, hidden[1, T, H]} server: StepOut{step_id, pushed, hidden} | Error
 //! ...
 //! client: Close
 //! ```
+//!
+//! Push (`/corolla/push/1`): a step may name the sessions after this
+//! server (`push`: peer and session token of each, in route order); the
+//! server then sends its output straight to the next one as a [`PushStep`]
+//! on a push stream, before answering its own client. The next server runs
+//! it as if its client had sent it, answers its client with an unsolicited
+//! `StepOut` carrying the same `step_id`, and pushes on. The token, random
+//! and known only to the session's client and the servers it names, is what
+//! lets a push in: a push for an unknown token is refused.
 //!
 //! Every message is one length-prefixed frame (see [`crate::framing`]):
 //! a tag byte, then its fields, little-endian. Decoding checks every field
@@ -17,9 +26,12 @@
 use libp2p::StreamProtocol;
 
 use crate::limits::Limits;
-use crate::tensor::{encode_into, TensorCodecError, TensorPayload, TensorView, WireDType};
+use crate::tensor::{
+    encode_into, Compression, TensorCodecError, TensorPayload, TensorView, WireDType,
+};
 
-pub const INFERENCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/inference/2");
+pub const INFERENCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/inference/3");
+pub const PUSH_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/push/1");
 pub const INFO_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/info/1");
 pub const KADEMLIA_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/kad/1");
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/corolla/1";
@@ -28,6 +40,48 @@ pub const IDENTIFY_PROTOCOL_VERSION: &str = "/corolla/1";
 pub const MAX_NAME_LEN: usize = 256;
 /// Longest error message accepted.
 pub const MAX_MESSAGE_LEN: usize = 4096;
+/// Most sessions a step may ask to push through (a 70B model spans ~10).
+pub const MAX_PUSH_TARGETS: usize = 64;
+/// Longest peer id accepted, in bytes (an Ed25519 one is 38).
+const MAX_PEER_ID_LEN: usize = 128;
+
+/// A session's secret handle for pushes: random, given to the session's
+/// client in `Opened`, and by the client only to the servers before it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SessionToken(pub [u8; 16]);
+
+impl std::fmt::Debug for SessionToken {
+    // Secrets stay out of logs: only a prefix, enough to tell sessions apart.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SessionToken({:02x}{:02x}..)", self.0[0], self.0[1])
+    }
+}
+
+/// One later session of a push route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushTarget {
+    pub peer: libp2p::PeerId,
+    pub token: SessionToken,
+}
+
+/// What a step says besides its hidden states.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepHeader {
+    pub start_position: u32,
+    /// Chosen by the client and echoed in every `StepOut` of the step (the
+    /// pushed ones too), so a late answer of an abandoned step is told apart.
+    pub step_id: u32,
+    /// The sessions after this one, in route order; empty: answer only.
+    pub push: Vec<PushTarget>,
+}
+
+/// A step one server pushes to the next (`/corolla/push/1`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PushStep<'a> {
+    pub token: SessionToken,
+    pub header: StepHeader,
+    pub hidden: TensorView<'a>,
+}
 
 /// The DHT key under which the servers of a model announce themselves.
 pub fn model_dht_key(model: &str) -> libp2p::kad::RecordKey {
@@ -45,6 +99,9 @@ pub struct OpenRequest {
     pub max_length: u32,
     /// dtype of the hidden states on the wire, both ways.
     pub dtype: WireDType,
+    /// How both ends compress the hidden states they send (each end
+    /// decompresses what it receives into `dtype`).
+    pub compression: Compression,
     /// Nonzero: the most unacknowledged bytes the server may have in flight
     /// toward the client, which acknowledges with [`Request::Ack`]; and every
     /// write of both ends is a flushed piece of at most 8000 bytes (see
@@ -56,7 +113,7 @@ pub struct OpenRequest {
 pub enum Request<'a> {
     Open(OpenRequest),
     Step {
-        start_position: u32,
+        header: StepHeader,
         hidden: TensorView<'a>,
     },
     Close,
@@ -109,9 +166,20 @@ impl ErrorCode {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Response<'a> {
-    Opened { max_length: u32 },
-    StepOut { hidden: TensorView<'a> },
-    Error { code: ErrorCode, message: String },
+    Opened {
+        max_length: u32,
+        token: SessionToken,
+    },
+    StepOut {
+        step_id: u32,
+        /// The output also went on to the next session of the step's push route.
+        pushed: bool,
+        hidden: TensorView<'a>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -132,6 +200,10 @@ pub enum ProtocolError {
     UnknownErrorCode(u16),
     #[error("unknown dtype code {0}")]
     UnknownDType(u8),
+    #[error("a push route of {0} sessions exceeds the limit of {MAX_PUSH_TARGETS}")]
+    PushRouteTooLong(usize),
+    #[error("bad peer id in a push route")]
+    BadPeerId,
     #[error("tensor: {0}")]
     Tensor(#[from] TensorCodecError),
 }
@@ -141,6 +213,7 @@ mod tag {
     pub const STEP: u8 = 2;
     pub const CLOSE: u8 = 3;
     pub const ACK: u8 = 4;
+    pub const PUSH: u8 = 5;
     pub const OPENED: u8 = 101;
     pub const STEP_OUT: u8 = 102;
     pub const ERROR: u8 = 103;
@@ -215,6 +288,39 @@ impl<'a> Reader<'a> {
         String::from_utf8(bytes.to_vec()).map_err(|_| ProtocolError::BadUtf8)
     }
 
+    fn token(&mut self) -> Result<SessionToken, ProtocolError> {
+        let mut token = [0u8; 16];
+        token.copy_from_slice(self.take(16)?);
+        Ok(SessionToken(token))
+    }
+
+    fn header(&mut self) -> Result<StepHeader, ProtocolError> {
+        let start_position = self.u32()?;
+        let step_id = self.u32()?;
+        let count = self.u8()? as usize;
+        if count > MAX_PUSH_TARGETS {
+            return Err(ProtocolError::PushRouteTooLong(count));
+        }
+        let mut push = Vec::with_capacity(count);
+        for _ in 0..count {
+            let len = self.u8()? as usize;
+            if len > MAX_PEER_ID_LEN {
+                return Err(ProtocolError::BadPeerId);
+            }
+            let peer = libp2p::PeerId::from_bytes(self.take(len)?)
+                .map_err(|_| ProtocolError::BadPeerId)?;
+            push.push(PushTarget {
+                peer,
+                token: self.token()?,
+            });
+        }
+        Ok(StepHeader {
+            start_position,
+            step_id,
+            push,
+        })
+    }
+
     fn tensor(&mut self, limits: &Limits) -> Result<TensorView<'a>, ProtocolError> {
         let (view, used) = TensorView::decode_prefix(self.buf, limits)?;
         self.buf = &self.buf[used..];
@@ -241,15 +347,19 @@ impl Request<'_> {
                 out.extend_from_slice(&o.end.to_le_bytes());
                 out.extend_from_slice(&o.max_length.to_le_bytes());
                 out.push(dtype_code(o.dtype));
+                out.push(o.compression.code());
                 out.extend_from_slice(&o.flow_window.to_le_bytes());
             }
-            Request::Step {
-                start_position,
-                hidden,
-            } => {
+            Request::Step { header, hidden } => {
                 out.push(tag::STEP);
-                out.extend_from_slice(&start_position.to_le_bytes());
-                encode_into(hidden.dtype, &hidden.shape, hidden.data, &mut out);
+                put_header(&mut out, header);
+                encode_into(
+                    hidden.dtype,
+                    hidden.compression,
+                    &hidden.shape,
+                    hidden.data,
+                    &mut out,
+                );
             }
             Request::Close => out.push(tag::CLOSE),
             Request::Ack { received } => {
@@ -261,13 +371,79 @@ impl Request<'_> {
     }
 }
 
-/// Encodes a step without building a [`TensorView`] first.
+fn put_header(out: &mut Vec<u8>, header: &StepHeader) {
+    out.extend_from_slice(&header.start_position.to_le_bytes());
+    out.extend_from_slice(&header.step_id.to_le_bytes());
+    // Senders keep within the limit rather than produce a frame the peer must reject.
+    let push = &header.push[..header.push.len().min(MAX_PUSH_TARGETS)];
+    out.push(push.len() as u8);
+    for target in push {
+        let peer = target.peer.to_bytes();
+        out.push(peer.len() as u8);
+        out.extend_from_slice(&peer);
+        out.extend_from_slice(&target.token.0);
+    }
+}
+
+/// Encodes a plain step (no push, step id 0) without building a [`TensorView`] first.
 pub fn encode_step(start_position: u32, hidden: &TensorPayload) -> Vec<u8> {
-    let mut out = Vec::with_capacity(5 + hidden.encoded_len());
+    encode_step_with(
+        &StepHeader {
+            start_position,
+            ..StepHeader::default()
+        },
+        hidden,
+    )
+}
+
+/// Encodes a step without building a [`TensorView`] first.
+pub fn encode_step_with(header: &StepHeader, hidden: &TensorPayload) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + 64 * header.push.len() + hidden.encoded_len());
     out.push(tag::STEP);
-    out.extend_from_slice(&start_position.to_le_bytes());
-    encode_into(hidden.dtype, &hidden.shape, &hidden.data, &mut out);
+    put_header(&mut out, header);
+    encode_into(
+        hidden.dtype,
+        hidden.compression,
+        &hidden.shape,
+        &hidden.data,
+        &mut out,
+    );
     out
+}
+
+impl PushStep<'_> {
+    /// Encodes a push of `hidden` without building a [`TensorView`] first.
+    pub fn encode(token: SessionToken, header: &StepHeader, hidden: &TensorPayload) -> Vec<u8> {
+        let mut out = Vec::with_capacity(80 + 64 * header.push.len() + hidden.encoded_len());
+        out.push(tag::PUSH);
+        out.extend_from_slice(&token.0);
+        put_header(&mut out, header);
+        encode_into(
+            hidden.dtype,
+            hidden.compression,
+            &hidden.shape,
+            &hidden.data,
+            &mut out,
+        );
+        out
+    }
+}
+
+impl<'a> PushStep<'a> {
+    pub fn decode(buf: &'a [u8], limits: &Limits) -> Result<Self, ProtocolError> {
+        let mut r = Reader { buf };
+        match r.u8().map_err(|_| ProtocolError::Empty)? {
+            tag::PUSH => {}
+            other => return Err(ProtocolError::UnknownTag(other)),
+        }
+        let push = PushStep {
+            token: r.token()?,
+            header: r.header()?,
+            hidden: r.tensor(limits)?,
+        };
+        r.finish()?;
+        Ok(push)
+    }
 }
 
 impl<'a> Request<'a> {
@@ -281,10 +457,11 @@ impl<'a> Request<'a> {
                 end: r.u32()?,
                 max_length: r.u32()?,
                 dtype: dtype_from_code(r.u8()?)?,
+                compression: Compression::from_code(r.u8()?)?,
                 flow_window: r.u32()?,
             }),
             tag::STEP => Request::Step {
-                start_position: r.u32()?,
+                header: r.header()?,
                 hidden: r.tensor(limits)?,
             },
             tag::CLOSE => Request::Close,
@@ -300,14 +477,27 @@ impl Response<'_> {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         match self {
-            Response::Opened { max_length } => {
+            Response::Opened { max_length, token } => {
                 out.push(tag::OPENED);
                 out.extend_from_slice(&max_length.to_le_bytes());
+                out.extend_from_slice(&token.0);
             }
-            Response::StepOut { hidden } => {
+            Response::StepOut {
+                step_id,
+                pushed,
+                hidden,
+            } => {
                 out.reserve(1 + hidden.data.len() + 64);
                 out.push(tag::STEP_OUT);
-                encode_into(hidden.dtype, &hidden.shape, hidden.data, &mut out);
+                out.extend_from_slice(&step_id.to_le_bytes());
+                out.push(u8::from(*pushed));
+                encode_into(
+                    hidden.dtype,
+                    hidden.compression,
+                    &hidden.shape,
+                    hidden.data,
+                    &mut out,
+                );
             }
             Response::Error { code, message } => {
                 out.push(tag::ERROR);
@@ -332,8 +522,11 @@ impl<'a> Response<'a> {
         let msg = match r.u8().map_err(|_| ProtocolError::Empty)? {
             tag::OPENED => Response::Opened {
                 max_length: r.u32()?,
+                token: r.token()?,
             },
             tag::STEP_OUT => Response::StepOut {
+                step_id: r.u32()?,
+                pushed: r.u8()? != 0,
                 hidden: r.tensor(limits)?,
             },
             tag::ERROR => Response::Error {
@@ -360,6 +553,7 @@ mod tests {
             end: 3,
             max_length: 48,
             dtype: WireDType::F32,
+            compression: Compression::Int8Block64,
             flow_window: 16_000,
         }
     }
@@ -371,8 +565,14 @@ mod tests {
             encode_step(5, &hidden),
             Request::Close.encode(),
             Request::Ack { received: 1 << 40 }.encode(),
-            Response::Opened { max_length: 9 }.encode(),
+            Response::Opened {
+                max_length: 9,
+                token: SessionToken([3; 16]),
+            }
+            .encode(),
             Response::StepOut {
+                step_id: 7,
+                pushed: true,
                 hidden: hidden.view(),
             }
             .encode(),
@@ -392,7 +592,10 @@ mod tests {
         assert_eq!(
             Request::decode(&s[1], &limits).unwrap(),
             Request::Step {
-                start_position: 5,
+                header: StepHeader {
+                    start_position: 5,
+                    ..StepHeader::default()
+                },
                 hidden: hidden.view()
             }
         );
@@ -403,11 +606,16 @@ mod tests {
         );
         assert_eq!(
             Response::decode(&s[4], &limits).unwrap(),
-            Response::Opened { max_length: 9 }
+            Response::Opened {
+                max_length: 9,
+                token: SessionToken([3; 16])
+            }
         );
         assert_eq!(
             Response::decode(&s[5], &limits).unwrap(),
             Response::StepOut {
+                step_id: 7,
+                pushed: true,
                 hidden: hidden.view()
             }
         );
@@ -448,11 +656,72 @@ mod tests {
         }
     }
 
+    fn route(n: usize) -> Vec<PushTarget> {
+        (0..n)
+            .map(|i| PushTarget {
+                peer: libp2p::PeerId::random(),
+                token: SessionToken([i as u8; 16]),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn steps_and_pushes_carry_their_routes() {
+        let hidden = TensorPayload::new(WireDType::F16, vec![1, 2, 2], vec![7; 8]).unwrap();
+        let header = StepHeader {
+            start_position: 12,
+            step_id: 99,
+            push: route(3),
+        };
+        let bytes = encode_step_with(&header, &hidden);
+        assert_eq!(
+            Request::decode(&bytes, &Limits::DEFAULT).unwrap(),
+            Request::Step {
+                header: header.clone(),
+                hidden: hidden.view()
+            }
+        );
+        let token = SessionToken([9; 16]);
+        let bytes = PushStep::encode(token, &header, &hidden);
+        let push = PushStep::decode(&bytes, &Limits::DEFAULT).unwrap();
+        assert_eq!(push.token, token);
+        assert_eq!(push.header, header);
+        assert_eq!(push.hidden, hidden.view());
+        for len in 0..bytes.len() {
+            assert!(PushStep::decode(&bytes[..len], &Limits::DEFAULT).is_err());
+        }
+        // A push is not a request on a session stream, nor the reverse.
+        assert!(Request::decode(&bytes, &Limits::DEFAULT).is_err());
+        assert!(PushStep::decode(&encode_step(0, &hidden), &Limits::DEFAULT).is_err());
+    }
+
+    #[test]
+    fn a_push_route_over_the_limit_is_refused_before_it_is_read() {
+        let hidden = TensorPayload::new(WireDType::F16, vec![1, 1, 1], vec![0; 2]).unwrap();
+        let mut bytes = encode_step(0, &hidden);
+        // The route count sits after the tag, start and step id.
+        bytes[9] = (MAX_PUSH_TARGETS + 1) as u8;
+        assert_eq!(
+            Request::decode(&bytes, &Limits::DEFAULT),
+            Err(ProtocolError::PushRouteTooLong(MAX_PUSH_TARGETS + 1))
+        );
+        // Senders cut an overlong route to the limit.
+        let header = StepHeader {
+            push: route(MAX_PUSH_TARGETS + 5),
+            ..StepHeader::default()
+        };
+        match Request::decode(&encode_step_with(&header, &hidden), &Limits::DEFAULT).unwrap() {
+            Request::Step { header, .. } => assert_eq!(header.push.len(), MAX_PUSH_TARGETS),
+            other => panic!("{other:?}"),
+        }
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
             let _ = Request::decode(&bytes, &Limits::DEFAULT);
             let _ = Response::decode(&bytes, &Limits::DEFAULT);
+            let _ = PushStep::decode(&bytes, &Limits::DEFAULT);
         }
     }
 }

@@ -11,11 +11,11 @@ use crate::framing::{read_frame, write_frame};
 use crate::limits::Limits;
 use crate::node::{with_timeout, NodeError};
 use crate::protocol::{
-    encode_step, ErrorCode, OpenRequest, ProtocolError, Request, Response, INFERENCE_PROTOCOL,
-    INFO_PROTOCOL,
+    encode_step_with, ErrorCode, OpenRequest, ProtocolError, Request, Response, SessionToken,
+    StepHeader, INFERENCE_PROTOCOL, INFO_PROTOCOL,
 };
 use crate::record::{ServerRecord, MAX_RECORD_BYTES};
-use crate::tensor::TensorPayload;
+use crate::tensor::{Compression, TensorPayload};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -78,7 +78,18 @@ pub struct RemoteSession {
     step_timeout: Option<StepTimeout>,
     /// Set when the session asked for flow control.
     flow: Option<FlowReceiver>,
+    /// The server's handle on this session, for pushes from other servers.
+    token: SessionToken,
+    /// The id of the last step sent or expected; answers of earlier steps
+    /// that arrive late are skipped.
+    step_id: u32,
+    /// How this end compresses what it sends.
+    compression: Compression,
 }
+
+/// Late answers skipped while waiting for one step's output: more can only
+/// be a server answering steps nobody sent.
+const MAX_STALE_ANSWERS: usize = 8;
 
 /// A step deadline that grows with the step's positions: a server that died
 /// without closing its connection (WebRTC notices only after ~30 s) is given
@@ -109,6 +120,7 @@ impl RemoteSession {
                 Err(_) => return Err(SessionError::Timeout { peer, timeout }),
             };
         let flow = (request.flow_window > 0).then(|| FlowReceiver::new(request.flow_window));
+        let compression = request.compression;
         let mut session = RemoteSession {
             peer,
             stream,
@@ -121,12 +133,33 @@ impl RemoteSession {
             timeout,
             step_timeout: None,
             flow,
+            token: SessionToken([0; 16]),
+            step_id: 0,
+            compression,
         };
         let frame = Request::Open(request).encode();
-        match session.exchange(&frame, timeout).await? {
-            Response::Opened { .. } => Ok(session),
-            _ => Err(SessionError::Unexpected { peer }),
-        }
+        let token = match session.exchange(&frame, timeout).await? {
+            Response::Opened { token, .. } => token,
+            _ => return Err(SessionError::Unexpected { peer }),
+        };
+        session.token = token;
+        Ok(session)
+    }
+
+    /// The server's handle on this session, for a push route.
+    pub fn token(&self) -> SessionToken {
+        self.token
+    }
+
+    /// An id for the next step, above every id this session has seen.
+    pub fn next_step_id(&self) -> u32 {
+        self.step_id.wrapping_add(1)
+    }
+
+    /// Takes note that step `step_id` may reach this session by push, so
+    /// that the next step sent to it directly gets a later id.
+    pub fn expect_step(&mut self, step_id: u32) {
+        self.step_id = self.step_id.max(step_id);
     }
 
     pub fn peer(&self) -> PeerId {
@@ -147,34 +180,97 @@ impl RemoteSession {
         start: u32,
         hidden: &TensorPayload,
     ) -> Result<TensorPayload, SessionError> {
-        let frame = encode_step(start, hidden);
+        let header = StepHeader {
+            start_position: start,
+            step_id: self.next_step_id(),
+            push: Vec::new(),
+        };
+        self.send_step(&header, hidden).await?;
+        let (out, _) = self.receive_output(header.step_id, hidden).await?;
+        Ok(out)
+    }
+
+    /// The deadline of a step like `hidden`.
+    fn step_deadline(&self, hidden: &TensorPayload) -> Duration {
         let positions = hidden.shape.get(1).copied().unwrap_or(1) as u32;
-        let timeout = match self.step_timeout {
+        match self.step_timeout {
             Some(t) => (t.base + t.per_position * positions).min(self.timeout),
             None => self.timeout,
-        };
+        }
+    }
+
+    /// Sends a step without waiting for its answer (see [`Self::receive_output`]).
+    pub async fn send_step(
+        &mut self,
+        header: &StepHeader,
+        hidden: &TensorPayload,
+    ) -> Result<(), SessionError> {
+        let frame = encode_step_with(header, &hidden.compressed(self.compression));
+        let peer = self.peer;
+        let timeout = self.step_deadline(hidden);
+        self.step_id = header.step_id;
+        let io = |source| SessionError::Io { peer, source };
+        with_timeout(timeout, async {
+            match self.flow {
+                Some(_) => write_frame_in_pieces(&mut self.stream, &frame).await,
+                None => write_frame(&mut self.stream, &frame).await,
+            }
+        })
+        .await
+        .map_err(|_| SessionError::Timeout { peer, timeout })?
+        .map_err(io)
+    }
+
+    /// Waits for the output of step `step_id`, whose input was like `input`
+    /// (its own, or the one pushed to this session), skipping late answers
+    /// of earlier steps. Returns the output, checked to be possible, and
+    /// whether the server pushed it on.
+    pub async fn receive_output(
+        &mut self,
+        step_id: u32,
+        input: &TensorPayload,
+    ) -> Result<(TensorPayload, bool), SessionError> {
+        self.step_id = step_id;
+        let timeout = self.step_deadline(input);
         self.limits = Limits {
-            max_tensor_bytes: hidden.data.len() as u64,
+            max_tensor_bytes: input.data.len() as u64,
             ..Limits::DEFAULT
         };
         let peer = self.peer;
         let bad = |message: String| SessionError::BadOutput { peer, message };
-        let out = match self.exchange(&frame, timeout).await? {
-            Response::StepOut { hidden: out } => {
-                if out.dtype != hidden.dtype || out.shape != hidden.shape {
-                    return Err(bad(format!(
-                        "{:?} {:?} for an input of {:?} {:?}",
-                        out.dtype, out.shape, hidden.dtype, hidden.shape
-                    )));
+        for _ in 0..=MAX_STALE_ANSWERS {
+            let (out, pushed) = match self.read_response(timeout).await? {
+                Response::StepOut {
+                    step_id: id,
+                    pushed,
+                    hidden: out,
+                } => {
+                    if id != step_id {
+                        if id < step_id {
+                            continue;
+                        }
+                        return Err(bad(format!(
+                            "the answer of step {id}, while step {step_id} was the last sent"
+                        )));
+                    }
+                    if out.dtype != input.dtype || out.shape != input.shape {
+                        return Err(bad(format!(
+                            "{:?} {:?} for an input of {:?} {:?}",
+                            out.dtype, out.shape, input.dtype, input.shape
+                        )));
+                    }
+                    (out.to_owned().decompressed(), pushed)
                 }
-                out.to_owned()
-            }
-            _ => return Err(SessionError::Unexpected { peer }),
-        };
-        match out.first_non_finite() {
-            Some(i) => Err(bad(format!("value {i} is NaN or infinite"))),
-            None => Ok(out),
+                _ => return Err(SessionError::Unexpected { peer }),
+            };
+            return match out.first_non_finite() {
+                Some(i) => Err(bad(format!("value {i} is NaN or infinite"))),
+                None => Ok((out, pushed)),
+            };
         }
+        Err(bad(format!(
+            "more than {MAX_STALE_ANSWERS} answers of steps before step {step_id}"
+        )))
     }
 
     /// Ends the session politely; the server frees its cache.
@@ -194,23 +290,31 @@ impl RemoteSession {
     ) -> Result<Response<'_>, SessionError> {
         let peer = self.peer;
         let io = |source| SessionError::Io { peer, source };
+        with_timeout(timeout, async {
+            match self.flow {
+                Some(_) => write_frame_in_pieces(&mut self.stream, frame).await,
+                None => write_frame(&mut self.stream, frame).await,
+            }
+        })
+        .await
+        .map_err(|_| SessionError::Timeout { peer, timeout })?
+        .map_err(io)?;
+        self.read_response(timeout).await
+    }
+
+    async fn read_response(&mut self, timeout: Duration) -> Result<Response<'_>, SessionError> {
+        let peer = self.peer;
+        let io = |source| SessionError::Io { peer, source };
         let max = self.limits.max_frame_bytes();
         let got = with_timeout(timeout, async {
             match &mut self.flow {
-                Some(flow) => {
-                    write_frame_in_pieces(&mut self.stream, frame)
-                        .await
-                        .map_err(io)?;
-                    flow.read_frame(&mut self.stream, max, &mut self.buf)
-                        .await
-                        .map_err(io)
-                }
-                None => {
-                    write_frame(&mut self.stream, frame).await.map_err(io)?;
-                    read_frame(&mut self.stream, max, &mut self.buf)
-                        .await
-                        .map_err(io)
-                }
+                Some(flow) => flow
+                    .read_frame(&mut self.stream, max, &mut self.buf)
+                    .await
+                    .map_err(io),
+                None => read_frame(&mut self.stream, max, &mut self.buf)
+                    .await
+                    .map_err(io),
             }
         })
         .await

@@ -55,20 +55,47 @@ impl WireDType {
     }
 }
 
-/// How the data bytes are compressed. Only `None` exists today; the byte is
-/// on the wire so that a compressed encoding can be added without a new
-/// framing version.
+/// How the data bytes are compressed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Compression {
+    /// The values in their dtype.
     #[default]
     None,
+    /// Blocks of [`Compression::BLOCK`] values (the last one may be
+    /// shorter), each an f16 scale (the block's largest magnitude / 127)
+    /// then one signed byte per value: about 1.03 bytes a value, whatever
+    /// the dtype the values decompress into.
+    Int8Block64,
 }
 
 impl Compression {
-    fn from_code(code: u8) -> Result<Self, TensorCodecError> {
+    pub const ALL: [Compression; 2] = [Compression::None, Compression::Int8Block64];
+    /// Values per scale in [`Compression::Int8Block64`].
+    pub const BLOCK: usize = 64;
+
+    pub fn code(self) -> u8 {
+        match self {
+            Compression::None => 0,
+            Compression::Int8Block64 => 1,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Result<Self, TensorCodecError> {
         match code {
             0 => Ok(Compression::None),
+            1 => Ok(Compression::Int8Block64),
             other => Err(TensorCodecError::UnknownCompression(other)),
+        }
+    }
+
+    /// Data bytes of `values` values of `dtype` in this compression.
+    pub fn data_len(self, dtype: WireDType, values: u64) -> u64 {
+        match self {
+            Compression::None => values.saturating_mul(dtype.size_in_bytes() as u64),
+            Compression::Int8Block64 => values
+                .div_ceil(Self::BLOCK as u64)
+                .saturating_mul(2)
+                .saturating_add(values),
         }
     }
 }
@@ -108,10 +135,14 @@ pub struct TensorView<'a> {
     pub data: &'a [u8],
 }
 
-/// An owned tensor ready to encode.
+/// An owned tensor ready to encode. Its `data` is compressed as
+/// `compression` says; [`TensorPayload::new`] makes uncompressed ones, and
+/// everything that reads values ([`TensorPayload::to_f32`], the checks,
+/// `truncate_axis1`) sees through a compression.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorPayload {
     pub dtype: WireDType,
+    pub compression: Compression,
     pub shape: Vec<usize>,
     pub data: Vec<u8>,
 }
@@ -138,7 +169,12 @@ impl TensorPayload {
                 actual: data.len() as u64,
             });
         }
-        Ok(Self { dtype, shape, data })
+        Ok(Self {
+            dtype,
+            compression: Compression::None,
+            shape,
+            data,
+        })
     }
 
     pub fn encoded_len(&self) -> usize {
@@ -147,21 +183,103 @@ impl TensorPayload {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_len());
-        encode_into(self.dtype, &self.shape, &self.data, &mut out);
+        encode_into(
+            self.dtype,
+            self.compression,
+            &self.shape,
+            &self.data,
+            &mut out,
+        );
         out
     }
 
     pub fn view(&self) -> TensorView<'_> {
         TensorView {
             dtype: self.dtype,
-            compression: Compression::None,
+            compression: self.compression,
             shape: self.shape.clone(),
             data: &self.data,
         }
     }
 
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// This tensor in `compression` (a copy; decompressed first if it was
+    /// in another one).
+    pub fn compressed(&self, compression: Compression) -> TensorPayload {
+        if compression == self.compression {
+            return self.clone();
+        }
+        let plain = self.decompressed();
+        match compression {
+            Compression::None => plain,
+            Compression::Int8Block64 => {
+                let values = plain.to_f32();
+                let mut data = Vec::with_capacity(
+                    compression.data_len(self.dtype, values.len() as u64) as usize,
+                );
+                for block in values.chunks(Compression::BLOCK) {
+                    let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let scale = half::f16::from_f32(absmax / 127.0);
+                    data.extend_from_slice(&scale.to_le_bytes());
+                    let scale = scale.to_f32();
+                    data.extend(block.iter().map(|v| {
+                        if scale > 0.0 {
+                            (v / scale).round().clamp(-127.0, 127.0) as i8 as u8
+                        } else {
+                            0
+                        }
+                    }));
+                }
+                TensorPayload {
+                    dtype: self.dtype,
+                    compression,
+                    shape: self.shape.clone(),
+                    data,
+                }
+            }
+        }
+    }
+
+    /// This tensor uncompressed, in its dtype.
+    pub fn decompressed(&self) -> TensorPayload {
+        match self.compression {
+            Compression::None => self.clone(),
+            Compression::Int8Block64 => {
+                let values = self.to_f32();
+                let data = match self.dtype {
+                    WireDType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    WireDType::F16 => values
+                        .iter()
+                        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                        .collect(),
+                    WireDType::BF16 => values
+                        .iter()
+                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                        .collect(),
+                };
+                TensorPayload {
+                    dtype: self.dtype,
+                    compression: Compression::None,
+                    shape: self.shape.clone(),
+                    data,
+                }
+            }
+        }
+    }
+
     /// The index of the first NaN or infinite value, if any.
     pub fn first_non_finite(&self) -> Option<usize> {
+        if self.compression != Compression::None {
+            // Scales are f16; quantized values are always finite.
+            return self
+                .data
+                .chunks(2 + Compression::BLOCK)
+                .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00)
+                .map(|block| block * Compression::BLOCK);
+        }
         match self.dtype {
             WireDType::F32 => self
                 .data
@@ -198,6 +316,17 @@ impl TensorPayload {
 
     /// The values as f32 (halves widened exactly).
     pub fn to_f32(&self) -> Vec<f32> {
+        if self.compression == Compression::Int8Block64 {
+            let mut values = Vec::with_capacity(self.elem_count());
+            for block in self.data.chunks(2 + Compression::BLOCK) {
+                if block.len() < 2 {
+                    break;
+                }
+                let scale = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                values.extend(block[2..].iter().map(|q| f32::from(*q as i8) * scale));
+            }
+            return values;
+        }
         match self.dtype {
             WireDType::F32 => self
                 .data
@@ -226,6 +355,14 @@ impl TensorPayload {
         if len >= t {
             return;
         }
+        if self.compression != Compression::None {
+            // Blocks may straddle rows: cut the values, then compress again.
+            let compression = self.compression;
+            let mut plain = self.decompressed();
+            plain.truncate_axis1(len);
+            *self = plain.compressed(compression);
+            return;
+        }
         let row: usize = self.shape[2..].iter().product::<usize>() * self.dtype.size_in_bytes();
         let outer = self.shape[0];
         if outer == 1 {
@@ -249,15 +386,21 @@ fn encoded_len(rank: usize, data_len: usize) -> usize {
 
 /// Appends the encoding of a tensor to `out`.
 ///
-/// Callers guarantee `data.len() == product(shape) * dtype size`; the
-/// decoder rejects anything else.
-pub fn encode_into(dtype: WireDType, shape: &[usize], data: &[u8], out: &mut Vec<u8>) {
+/// Callers guarantee `data.len() == compression.data_len(dtype, product(shape))`;
+/// the decoder rejects anything else.
+pub fn encode_into(
+    dtype: WireDType,
+    compression: Compression,
+    shape: &[usize],
+    data: &[u8],
+    out: &mut Vec<u8>,
+) {
     let start = out.len();
     out.reserve(encoded_len(shape.len(), data.len()));
     out.extend_from_slice(MAGIC);
     out.push(VERSION);
     out.push(dtype.code());
-    out.push(0); // Compression::None
+    out.push(compression.code());
     out.push(shape.len() as u8);
     for &d in shape {
         out.extend_from_slice(&(d as u64).to_le_bytes());
@@ -352,6 +495,10 @@ impl<'a> TensorView<'a> {
             shape.push(dim as usize);
         }
         let data_len = r.u64()?;
+        // Checked against the bytes of the uncompressed values above; a
+        // compressed encoding is never longer.
+        let values = expected / dtype.size_in_bytes() as u64;
+        let expected = compression.data_len(dtype, values);
         if data_len != expected {
             return Err(TensorCodecError::LengthMismatch {
                 expected,
@@ -384,6 +531,7 @@ impl<'a> TensorView<'a> {
     pub fn to_owned(&self) -> TensorPayload {
         TensorPayload {
             dtype: self.dtype,
+            compression: self.compression,
             shape: self.shape.clone(),
             data: self.data.to_vec(),
         }
@@ -445,6 +593,65 @@ mod tests {
             .prop_map(|(dtype, shape, data)| {
                 TensorPayload::new(dtype, shape, data).expect("strategy builds consistent payloads")
             })
+    }
+
+    fn f32_payload(shape: Vec<usize>, values: &[f32]) -> TensorPayload {
+        let data = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        TensorPayload::new(WireDType::F32, shape, data).unwrap()
+    }
+
+    #[test]
+    fn int8_blocks_round_trip_within_half_a_step_of_each_block() {
+        // Two blocks and a short third, with very different magnitudes.
+        let values: Vec<f32> = (0..150)
+            .map(|i| {
+                let magnitude = if i < 64 { 100.0 } else { 0.01 };
+                magnitude * ((i as f32) * 0.37).sin()
+            })
+            .collect();
+        let p = f32_payload(vec![1, 3, 50], &values);
+        let c = p.compressed(Compression::Int8Block64);
+        assert_eq!(c.data.len(), 3 * 2 + 150);
+        let bytes = c.encode();
+        let view = TensorView::decode(&bytes, &Limits::DEFAULT).unwrap();
+        assert_eq!(view.compression, Compression::Int8Block64);
+        let back = view.to_owned().decompressed();
+        assert_eq!(
+            (back.dtype, back.shape.clone()),
+            (WireDType::F32, p.shape.clone())
+        );
+        for (block, (a, b)) in values.chunks(64).zip(back.to_f32().chunks(64)).enumerate() {
+            let absmax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (x - y).abs() <= absmax / 127.0 * 0.51 + 1e-6,
+                    "block {block}: {x} vs {y}"
+                );
+            }
+        }
+        // Truncating sees through the compression.
+        let mut cut = c.clone();
+        cut.truncate_axis1(1);
+        assert_eq!(cut.shape, vec![1, 1, 50]);
+        assert_eq!(cut.decompressed().to_f32().len(), 50);
+        assert_eq!(c.first_non_finite(), None);
+        // A zero block stays zero.
+        let zeros = f32_payload(vec![70], &[0.0; 70]).compressed(Compression::Int8Block64);
+        assert!(zeros.decompressed().to_f32().iter().all(|v| *v == 0.0));
+    }
+
+    #[test]
+    fn a_compressed_length_is_checked_before_reading() {
+        let p = f32_payload(vec![100], &[1.0; 100]).compressed(Compression::Int8Block64);
+        let mut bytes = p.encode();
+        // The data length field sits after the header and one dimension.
+        let at = FIXED_HEADER + 8;
+        bytes[at..at + 8].copy_from_slice(&400u64.to_le_bytes());
+        let err = TensorView::decode(&bytes, &Limits::DEFAULT).unwrap_err();
+        assert!(
+            matches!(err, TensorCodecError::LengthMismatch { expected: 104, .. }),
+            "{err}"
+        );
     }
 
     #[test]

@@ -9,7 +9,9 @@ use corolla_shared::behaviour::{BehaviourEvent, NetworkLimits};
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::native::build_swarm;
 use corolla_shared::node::{Announcement, Node, NodeHandle};
-use corolla_shared::protocol::{ErrorCode, Request, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
+use corolla_shared::protocol::{
+    ErrorCode, Request, Response, SessionToken, INFERENCE_PROTOCOL, INFO_PROTOCOL,
+};
 use corolla_shared::{Limits, ServerRecord, TensorPayload, WireDType};
 use futures::StreamExt;
 use libp2p::kad::{self, Quorum, Record, RecordKey};
@@ -44,8 +46,8 @@ pub async fn read_reply(stream: &mut Stream, timeout: Duration) -> Reply {
     }
     Some(match Response::decode(&buf, &Limits::DEFAULT).ok()? {
         Response::Error { code, message } => (Some(code), message),
-        Response::Opened { max_length } => (None, format!("opened {max_length}")),
-        Response::StepOut { hidden } => (None, format!("step out {:?}", hidden.shape)),
+        Response::Opened { max_length, .. } => (None, format!("opened {max_length}")),
+        Response::StepOut { hidden, .. } => (None, format!("step out {:?}", hidden.shape)),
     })
 }
 
@@ -215,11 +217,17 @@ async fn serve_lies(mut stream: Stream, lie: Lie) {
         let reply = match Request::decode(&buf, &Limits::DEFAULT) {
             Ok(Request::Open(open)) => Response::Opened {
                 max_length: open.max_length,
+                token: SessionToken([7; 16]),
             }
             .encode(),
-            Ok(Request::Step { hidden, .. }) => {
+            Ok(Request::Step { header, hidden }) => {
                 let out = lie_about(lie, &hidden.to_owned());
-                Response::StepOut { hidden: out.view() }.encode()
+                Response::StepOut {
+                    step_id: header.step_id,
+                    pushed: false,
+                    hidden: out.view(),
+                }
+                .encode()
             }
             _ => return,
         };

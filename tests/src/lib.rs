@@ -6,6 +6,9 @@ pub mod forwarder;
 pub mod hostile;
 pub mod netns;
 pub mod page_figures;
+pub mod wan;
+pub mod wan_bench;
+pub mod wire_quality;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -157,6 +160,7 @@ pub fn generate_local(
         max_new_tokens,
         sampling,
         stop_at_eos: false,
+        drafts: corolla_client::DEFAULT_DRAFTS,
     };
     let mut chain =
         corolla_client::LocalChain::new(spans, request.max_length()).expect("session caches");
@@ -449,6 +453,7 @@ pub fn greedy(prompt_ids: Vec<u32>, max_new_tokens: usize) -> corolla_client::Ge
         max_new_tokens,
         sampling: corolla_model::SamplingParams::greedy(),
         stop_at_eos: false,
+        drafts: corolla_client::DEFAULT_DRAFTS,
     }
 }
 

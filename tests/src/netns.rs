@@ -2,7 +2,10 @@
 //! address: ICE (WebRTC) ignores loopback. The namespace gets one end of a
 //! veth pair, this side keeps the other, and clients here dial the servers
 //! there. Everything is stopped and removed when the [`NetnsSwarm`] is dropped.
+//! [`Namespace`] is the wiring alone, for worlds of many namespaces
+//! (`crate::wan`).
 
+use std::net::Ipv4Addr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -16,12 +19,129 @@ use crate::corolla_server_bin;
 fn ip(args: &[&str]) -> bool {
     Command::new("ip")
         .args(args)
+        .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
 }
 
 static NAMESPACES: AtomicU32 = AtomicU32::new(0);
+
+/// Where the owners of this machine's test namespaces are noted, so a
+/// namespace left by a test process that died can be told from one in use.
+const OWNERS: &str = "/tmp/corolla-netns";
+
+/// Ids (and so names, subnets and interface names) taken by other test
+/// processes are skipped; those whose owner died are taken back.
+const IDS: std::ops::Range<u32> = 20..250;
+
+/// A network namespace wired to this one by a veth pair: `10.202.<id>.1`
+/// here, `10.202.<id>.2` inside, a default route inside through this side
+/// and loopback up. Deleted (with its veth pair) when dropped.
+pub struct Namespace {
+    pub name: String,
+    pub id: u32,
+    /// This side's end of the veth pair: a local address of the host.
+    pub host_ip: Ipv4Addr,
+    /// The address inside the namespace.
+    pub inner_ip: Ipv4Addr,
+}
+
+impl Namespace {
+    /// `None` where namespaces cannot be made (not root, no iproute2).
+    pub fn create() -> Option<Namespace> {
+        if !ip(&["netns", "list"]) {
+            return None;
+        }
+        let _ = std::fs::create_dir_all(OWNERS);
+        let n = NAMESPACES.fetch_add(1, Ordering::SeqCst);
+        let span = IDS.end - IDS.start;
+        let first = std::process::id()
+            .wrapping_mul(7)
+            .wrapping_add(n.wrapping_mul(13))
+            % span;
+        for k in 0..span {
+            let id = IDS.start + (first + k) % span;
+            let name = format!("corolla-{id}");
+            let owner = Path::new(OWNERS).join(&name);
+            if !ip(&["netns", "add", &name]) {
+                // Taken: by a live test, or left by one that died.
+                let pid = std::fs::read_to_string(&owner).unwrap_or_default();
+                let dead = pid
+                    .trim()
+                    .parse::<u32>()
+                    .is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+                if !(dead && ip(&["netns", "del", &name]) && ip(&["netns", "add", &name])) {
+                    continue;
+                }
+            }
+            let _ = std::fs::write(&owner, std::process::id().to_string());
+            let ns = Namespace {
+                name,
+                id,
+                host_ip: Ipv4Addr::new(10, 202, id as u8, 1),
+                inner_ip: Ipv4Addr::new(10, 202, id as u8, 2),
+            };
+            ns.wire();
+            return Some(ns);
+        }
+        None
+    }
+
+    fn wire(&self) {
+        let (outer, inner) = (format!("cns{}a", self.id), format!("cns{}b", self.id));
+        // A host-side end left by a namespace deleted outside a test.
+        let _ = ip(&["link", "del", &outer]);
+        let name = self.name.as_str();
+        let ok = ip(&[
+            "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+        ]) && ip(&["link", "set", &inner, "netns", name])
+            && ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", self.host_ip),
+                "dev",
+                &outer,
+            ])
+            && ip(&["link", "set", &outer, "up"])
+            && ip(&[
+                "-n",
+                name,
+                "addr",
+                "add",
+                &format!("{}/24", self.inner_ip),
+                "dev",
+                &inner,
+            ])
+            && ip(&["-n", name, "link", "set", &inner, "up"])
+            && ip(&["-n", name, "link", "set", "lo", "up"])
+            && ip(&[
+                "-n",
+                name,
+                "route",
+                "add",
+                "default",
+                "via",
+                &self.host_ip.to_string(),
+            ]);
+        assert!(ok, "could not wire the namespace {name}");
+    }
+
+    /// `program` run inside the namespace.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.name]).arg(program);
+        cmd
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes the veth pair with it.
+        let _ = ip(&["netns", "del", &self.name]);
+        let _ = std::fs::remove_file(Path::new(OWNERS).join(&self.name));
+    }
+}
 
 /// A server started in the namespace, with what its addr file says.
 pub struct NetnsServer {
@@ -68,7 +188,7 @@ impl NetnsServer {
 
 /// A network namespace with a veth pair to this one and the servers in it.
 pub struct NetnsSwarm {
-    name: String,
+    ns: Namespace,
     pub host_ip: String,
     pub inner_ip: String,
     dir: tempfile::TempDir,
@@ -78,38 +198,14 @@ pub struct NetnsSwarm {
 impl NetnsSwarm {
     /// `None` where namespaces cannot be made (not root, no iproute2).
     pub fn create() -> Option<Self> {
-        let n = NAMESPACES.fetch_add(1, Ordering::SeqCst);
-        let id = (std::process::id().wrapping_mul(7).wrapping_add(n * 13)) % 200 + 20;
-        let name = format!("corolla-web-{id}");
-        let (outer, inner) = (format!("cweb{id}a"), format!("cweb{id}b"));
-        let swarm = NetnsSwarm {
-            host_ip: format!("10.202.{id}.1"),
-            inner_ip: format!("10.202.{id}.2"),
-            name: name.clone(),
+        let ns = Namespace::create()?;
+        Some(NetnsSwarm {
+            host_ip: ns.host_ip.to_string(),
+            inner_ip: ns.inner_ip.to_string(),
+            ns,
             dir: tempfile::tempdir().ok()?,
             servers: Vec::new(),
-        };
-        let _ = ip(&["netns", "del", &name]);
-        if !ip(&["netns", "add", &name]) {
-            return None;
-        }
-        let inner_cidr = format!("{}/24", swarm.inner_ip);
-        let ok = ip(&[
-            "link", "add", &outer, "type", "veth", "peer", "name", &inner,
-        ]) && ip(&["link", "set", &inner, "netns", &name])
-            && ip(&[
-                "addr",
-                "add",
-                &format!("{}/24", swarm.host_ip),
-                "dev",
-                &outer,
-            ])
-            && ip(&["link", "set", &outer, "up"])
-            && ip(&["-n", &name, "addr", "add", &inner_cidr, "dev", &inner])
-            && ip(&["-n", &name, "link", "set", &inner, "up"])
-            && ip(&["-n", &name, "link", "set", "lo", "up"]);
-        assert!(ok, "could not wire the namespace {name}");
-        Some(swarm)
+        })
     }
 
     /// Starts `corolla-server` for blocks `start..end` of `model` in the
@@ -119,10 +215,8 @@ impl NetnsSwarm {
         let i = self.servers.len();
         let addr_file = self.dir.path().join(format!("server-{i}.json"));
         let log = self.dir.path().join(format!("server-{i}.log"));
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.name])
-            .arg(corolla_server_bin())
-            .arg("--model")
+        let mut cmd = self.ns.command(corolla_server_bin());
+        cmd.arg("--model")
             .arg(model)
             .args(["--block-indices", &format!("{start}:{end}")])
             .args(["--host", &self.inner_ip, "--port", "0"])
@@ -181,10 +275,9 @@ impl NetnsSwarm {
 
 impl Drop for NetnsSwarm {
     fn drop(&mut self) {
+        // Before the namespace goes (with `ns`, after this).
         for server in &mut self.servers {
             server.kill();
         }
-        // Deleting the namespace deletes the veth pair with it.
-        let _ = ip(&["netns", "del", &self.name]);
     }
 }

@@ -134,6 +134,7 @@ fn open_frame(model: &str, hashes: &[String], max_length: u32) -> Vec<u8> {
         end: 4,
         max_length,
         dtype: WireDType::F32,
+        compression: corolla_shared::Compression::None,
         flow_window: 0,
     })
     .encode()

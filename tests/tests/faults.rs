@@ -94,7 +94,11 @@ async fn answer_through_six(
     let servers = Arc::new(Mutex::new(six_servers(slow_ms).await));
     let boot = addr(&servers.lock().unwrap()[0]);
     let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let request = greedy(prompt.input_ids.clone(), 32);
+    // One chain step per token (no drafts), so "killed after token k" is step k.
+    let request = GenerateRequest {
+        drafts: 0,
+        ..greedy(prompt.input_ids.clone(), 32)
+    };
     let chain = chain_covering(&node, settings(request.max_length()), 6).await;
     let victim = chain
         .route()
@@ -316,6 +320,7 @@ async fn chaos_every_session_completes_token_identical() {
             ..Default::default()
         },
         stop_at_eos: false,
+        drafts: corolla_client::DEFAULT_DRAFTS,
     };
     let mut expected = Vec::new();
     for seed in 0..SESSIONS {

@@ -37,6 +37,7 @@ async fn a_megabyte_prefill_passes_under_flow_control() {
         max_new_tokens: 8,
         sampling: SamplingParams::greedy(),
         stop_at_eos: false,
+        drafts: corolla_client::DEFAULT_DRAFTS,
     };
     let local = {
         let spans = [BlockSpan::load(&ck, 0, 2, DType::F32, &Device::Cpu).unwrap()];

@@ -11,11 +11,12 @@ use corolla_model::{Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::RunningServer;
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::protocol::{
-    encode_step, ErrorCode, OpenRequest, Request, Response, INFERENCE_PROTOCOL,
+    encode_step, encode_step_with, ErrorCode, OpenRequest, PushStep, PushTarget, Request, Response,
+    SessionToken, StepHeader, INFERENCE_PROTOCOL, PUSH_PROTOCOL,
 };
 use corolla_shared::{Limits, TensorPayload, WireDType};
 use corolla_tests::{start_server, tiny_llama, Golden};
-use futures::AsyncWriteExt;
+use futures::{AsyncWriteExt, StreamExt};
 use libp2p::Stream;
 
 async fn server() -> RunningServer {
@@ -40,8 +41,8 @@ async fn exchange(stream: &mut Stream, frame: &[u8]) -> Option<(Option<ErrorCode
     Some(
         match Response::decode(&buf, &Limits::DEFAULT).expect("server frames decode") {
             Response::Error { code, message } => (Some(code), message),
-            Response::Opened { max_length } => (None, format!("opened {max_length}")),
-            Response::StepOut { hidden } => (None, format!("step out {:?}", hidden.shape)),
+            Response::Opened { max_length, .. } => (None, format!("opened {max_length}")),
+            Response::StepOut { hidden, .. } => (None, format!("step out {:?}", hidden.shape)),
         },
     )
 }
@@ -54,6 +55,7 @@ fn open(model: &str, start: u32, end: u32, max_length: u32, fingerprint: &str) -
         end,
         max_length,
         dtype: WireDType::F32,
+        compression: corolla_shared::Compression::None,
         flow_window: 0,
     })
     .encode()
@@ -97,6 +99,7 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
                 max_new_tokens: 32,
                 sampling: SamplingParams::greedy(),
                 stop_at_eos: false,
+                drafts: corolla_client::DEFAULT_DRAFTS,
             };
             let mut settings = SessionSettings::new(model, 4, request.max_length(), WireDType::F32);
             settings.expected_blocks = Some(hashes);
@@ -135,6 +138,7 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         end: 4,
         max_length: 16,
         dtype: WireDType::F32,
+        compression: corolla_shared::Compression::None,
         flow_window: 16_000,
     })
     .encode();
@@ -220,7 +224,8 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         ErrorCode::TooLong,
         "max_length 16",
     );
-    let mut huge = vec![2u8, 0, 0, 0, 0];
+    // Tag, start position, step id, an empty push route; then the tensor.
+    let mut huge = vec![2u8, 0, 0, 0, 0, 0, 0, 0, 0, 0];
     huge.extend_from_slice(b"CTNS\x01\x00\x00\x03");
     for dim in [1u64, 1 << 20, 1 << 20] {
         huge.extend_from_slice(&dim.to_le_bytes());
@@ -360,4 +365,133 @@ async fn info_reports_the_server_and_sessions_free_their_caches() {
         other => panic!("{other:?}"),
     }
     sessions_become(0).await;
+}
+
+/// Reads one frame and decodes it as a response.
+async fn next_response(stream: &mut Stream) -> Response<'static> {
+    let mut buf = Vec::new();
+    let got = tokio::time::timeout(
+        Duration::from_secs(10),
+        read_frame(stream, Limits::DEFAULT.max_frame_bytes(), &mut buf),
+    )
+    .await
+    .expect("an answer within 10 s")
+    .expect("a readable frame");
+    assert!(got, "the stream ended");
+    let buf: &'static [u8] = Box::leak(buf.into_boxed_slice());
+    Response::decode(buf, &Limits::DEFAULT).expect("a response")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_client_said() {
+    let server = server().await;
+    let addr = server.tcp_addr().unwrap().clone();
+    let client = connect(std::slice::from_ref(&addr)).await.unwrap();
+    let stranger = connect(std::slice::from_ref(&addr)).await.unwrap();
+    let peer = server.peer_id();
+    let model = server.model().to_string();
+    let fp = span_hash(&block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 0, 4).unwrap());
+
+    let mut session = client
+        .control()
+        .open_stream(peer, INFERENCE_PROTOCOL)
+        .await
+        .unwrap();
+    write_frame(&mut session, &open(&model, 0, 4, 16, &fp))
+        .await
+        .unwrap();
+    let token = match next_response(&mut session).await {
+        Response::Opened { token, .. } => token,
+        other => panic!("{other:?}"),
+    };
+
+    // A push nobody asked for: refused on the push stream, and three in a
+    // row close it.
+    let mut push = stranger
+        .control()
+        .open_stream(peer, PUSH_PROTOCOL)
+        .await
+        .unwrap();
+    let header = |step_id| StepHeader {
+        start_position: 0,
+        step_id,
+        push: Vec::new(),
+    };
+    for guess in 0..3u8 {
+        let forged = PushStep::encode(SessionToken([guess; 16]), &header(5), &hidden(2, 64));
+        write_frame(&mut push, &forged).await.unwrap();
+        match next_response(&mut push).await {
+            Response::Error { code, message } => {
+                assert_eq!(code, ErrorCode::UnknownSession);
+                assert!(message.contains("no open session"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut buf = Vec::new();
+    assert!(
+        !read_frame(&mut push, 1 << 20, &mut buf)
+            .await
+            .unwrap_or(false),
+        "the push stream is closed after three refusals in a row"
+    );
+
+    // With the session's token, the session runs the step and answers its
+    // own client, unasked, under the pushed step's id.
+    let mut push = stranger
+        .control()
+        .open_stream(peer, PUSH_PROTOCOL)
+        .await
+        .unwrap();
+    let pushed = PushStep::encode(token, &header(9), &hidden(2, 64));
+    write_frame(&mut push, &pushed).await.unwrap();
+    match next_response(&mut session).await {
+        Response::StepOut {
+            step_id,
+            pushed,
+            hidden,
+        } => {
+            assert_eq!((step_id, pushed), (9, false));
+            assert_eq!(hidden.shape, vec![1, 2, 64]);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // The client names the next session: the server pushes its output
+    // there, with the rest of the route, and says so.
+    let mut incoming = stranger.control().accept(PUSH_PROTOCOL).unwrap();
+    let next = PushTarget {
+        peer: stranger.peer_id(),
+        token: SessionToken([42; 16]),
+    };
+    let after = PushTarget {
+        peer: libp2p::PeerId::random(),
+        token: SessionToken([43; 16]),
+    };
+    let step = StepHeader {
+        start_position: 2,
+        step_id: 10,
+        push: vec![next.clone(), after.clone()],
+    };
+    write_frame(&mut session, &encode_step_with(&step, &hidden(1, 64)))
+        .await
+        .unwrap();
+    let (from, mut stream) = tokio::time::timeout(Duration::from_secs(10), incoming.next())
+        .await
+        .expect("a push within 10 s")
+        .expect("a push stream");
+    assert_eq!(from, peer);
+    let mut buf = Vec::new();
+    assert!(read_frame(&mut stream, 1 << 20, &mut buf).await.unwrap());
+    let got = PushStep::decode(&buf, &Limits::DEFAULT).unwrap();
+    assert_eq!(got.token, next.token);
+    assert_eq!((got.header.start_position, got.header.step_id), (2, 10));
+    assert_eq!(got.header.push, vec![after]);
+    assert_eq!(got.hidden.shape, vec![1, 1, 64]);
+    match next_response(&mut session).await {
+        Response::StepOut {
+            step_id, pushed, ..
+        } => assert_eq!((step_id, pushed), (10, true)),
+        other => panic!("{other:?}"),
+    }
 }

@@ -109,7 +109,17 @@ async fn a_three_server_chain_generates_the_reference_tokens() {
         prompt,
     ];
     let local = generate(&[&["--local"], &sampling[..]].concat()).await;
-    let swarm = generate(&[&["--initial-peers", &peers], &sampling[..]].concat()).await;
+    // Sampled draws equal the local run's only where the wire carries what
+    // the local run computes: f32 (f16 moves probabilities by ~1e-3, enough
+    // to flip a draw near a boundary).
+    let swarm = generate(
+        &[
+            &["--initial-peers", &peers, "--wire-dtype", "f32"],
+            &sampling[..],
+        ]
+        .concat(),
+    )
+    .await;
     assert_eq!(swarm["generated_ids"], local["generated_ids"]);
     assert_ne!(
         serde_json::from_value::<Vec<u32>>(local["generated_ids"].clone()).unwrap(),
@@ -219,5 +229,40 @@ async fn each_family_through_three_servers_generates_what_transformers_generates
         for server in [first, second, third] {
             server.shutdown();
         }
+    }
+}
+
+/// The step count the CLI's JSON reports as pushed down the whole route.
+fn pushed_steps(out: &Value) -> u64 {
+    out["pushed_steps"]
+        .as_u64()
+        .expect("pushed_steps in the JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_push_to_each_other_and_the_tokens_stay_the_reference() {
+    let servers = three_servers().await;
+    let peers = bootstrap(&servers);
+    let golden = Golden::load(&tiny_llama(), "float32");
+    let prompt = &golden.prompts[0];
+    for wire in ["f32", "f16"] {
+        let common = [
+            "--initial-peers",
+            &peers,
+            "--prompt",
+            &prompt.prompt,
+            "--wire-dtype",
+            wire,
+        ];
+        let pushed = generate(&common).await;
+        let carried = generate(&[&common[..], &["--no-push"]].concat()).await;
+        for (label, out) in [("push", &pushed), ("no push", &carried)] {
+            let ids: Vec<u32> = serde_json::from_value(out["generated_ids"].clone()).unwrap();
+            assert_eq!(ids, prompt.generated_new_ids, "{label}, {wire} on the wire");
+        }
+        // Every forward call (the prefill and each step) went by push.
+        let calls = pushed["steps"].as_u64().map_or(32, |steps| steps + 1);
+        assert_eq!(pushed_steps(&pushed), calls, "{wire}: {pushed}");
+        assert_eq!(pushed_steps(&carried), 0, "{wire}: {carried}");
     }
 }

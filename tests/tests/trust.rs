@@ -50,6 +50,7 @@ fn request(seed: u64) -> GenerateRequest {
             ..Default::default()
         },
         stop_at_eos: false,
+        drafts: corolla_client::DEFAULT_DRAFTS,
     }
 }
 
@@ -105,6 +106,7 @@ fn open_frame(max_length: u32, flow_window: u32) -> Vec<u8> {
         end: 4,
         max_length,
         dtype: WireDType::F32,
+        compression: corolla_shared::Compression::None,
         flow_window,
     })
     .encode()

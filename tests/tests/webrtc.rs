@@ -96,6 +96,7 @@ async fn four_mib_each_way_over_webrtc_direct() {
         end: 1,
         max_length: POSITIONS as u32,
         dtype: WireDType::F32,
+        compression: corolla_shared::Compression::None,
         flow_window,
     };
 

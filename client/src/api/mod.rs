@@ -43,6 +43,8 @@ pub struct ApiSettings {
     pub kept_conversations: usize,
     /// Answer length when a request names none (bounded by the context).
     pub default_max_tokens: usize,
+    /// The longest draft of a multi-token step; 0: one token per step.
+    pub drafts: usize,
 }
 
 impl Default for ApiSettings {
@@ -54,6 +56,7 @@ impl Default for ApiSettings {
             max_concurrent: 16,
             kept_conversations: 8,
             default_max_tokens: 512,
+            drafts: crate::DEFAULT_DRAFTS,
         }
     }
 }

@@ -223,6 +223,7 @@ pub(super) fn job(state: &ApiState, common: Common, prompt_ids: Vec<u32>) -> Res
                 seed: common.seed.map_or_else(fresh_seed, |s| s as u64),
             },
             stop_at_eos: true,
+            drafts: state.settings.drafts,
         },
         stops,
         stream: common.stream,

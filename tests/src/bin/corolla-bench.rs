@@ -3,7 +3,9 @@
 //! the same run. Writes its figures to BENCHMARKS.md.
 //!
 //! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching | --only-swarm] [--write FILE]`,
-//! or `corolla-bench --page-figures DIR [--write FILE]` (the page tests' figures as a section).
+//! or `corolla-bench --page-figures DIR [--write FILE]` (the page tests' figures as a section),
+//! or `corolla-bench --wan [--rounds N] [--new-tokens N] [--write FILE]` (as root: the CLI
+//! through servers in network namespaces over delayed links, `corolla_tests::wan_bench`).
 
 use std::time::Duration;
 
@@ -126,6 +128,18 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    if args.iter().any(|a| a == "--wan") {
+        use corolla_tests::wan_bench::{bench_wan, WAN_HEADING};
+        let (rounds, new_tokens) = (arg("--rounds", 3), arg("--new-tokens", 128));
+        let section = tokio::task::spawn_blocking(move || bench_wan(rounds, new_tokens))
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("--wan needs network namespaces (root, iproute2)"))?;
+        println!("{section}");
+        if let Some(file) = write_to {
+            write_section(&file, WAN_HEADING, &section)?;
+        }
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--only-chat") {
         // One section alone, written into the existing report.
         let path = corolla_tests::default_model()
@@ -169,6 +183,7 @@ async fn main() -> anyhow::Result<()> {
         max_new_tokens: new_tokens,
         sampling: SamplingParams::greedy(),
         stop_at_eos: false,
+        drafts: 0,
     };
 
     let per = spec.num_layers / servers_n;
@@ -313,6 +328,7 @@ async fn bench_default_model(path: &std::path::Path, rounds: usize) -> anyhow::R
         max_new_tokens: new_tokens,
         sampling: SamplingParams::greedy(),
         stop_at_eos: false,
+        drafts: 0,
     };
     let layers = ck.config().num_hidden_layers;
     let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
@@ -408,6 +424,7 @@ async fn bench_recovery(
         max_new_tokens: 16,
         sampling: SamplingParams::greedy(),
         stop_at_eos: false,
+        drafts: 0,
     };
     let mut settings = settings.clone();
     settings.max_length = request.max_length();
@@ -587,6 +604,7 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
                     max_new_tokens: ANSWER,
                     sampling: SamplingParams::greedy(),
                     stop_at_eos: false,
+                    drafts: 0,
                 };
                 history_len[turn] = request.prompt_ids.len();
                 if !reuse {
@@ -693,6 +711,7 @@ async fn bench_batching_of(
         max_new_tokens: new_tokens,
         sampling: SamplingParams::greedy(),
         stop_at_eos: false,
+        drafts: 0,
     };
     let mut rows = String::new();
     let mut by_count: Vec<(usize, f64, f64)> = Vec::new();

@@ -1,0 +1,279 @@
+//! What the wire's formats do to a model's answers: the model is split in
+//! three spans run in this process, and the hidden states between the
+//! client and each span go through the wire format (dtype, compression)
+//! and back, exactly as a server would send them. Measured against the same
+//! spans with nothing in between: the logits' error under teacher forcing
+//! (the reference's own continuation fed back, so every position counts)
+//! and whether each prompt's greedy answer stays the same.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use corolla_client::assistant::ClientPart;
+use corolla_model::wire::{from_view, to_payload};
+use corolla_model::{BlockSpan, Checkpoint, ClientHead};
+use corolla_shared::{Compression, WireDType};
+
+/// One wire format: what a session's `dtype` and `compression` say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireFormat {
+    pub dtype: WireDType,
+    pub compression: Compression,
+}
+
+impl WireFormat {
+    pub const F32: WireFormat = WireFormat {
+        dtype: WireDType::F32,
+        compression: Compression::None,
+    };
+    pub const F16: WireFormat = WireFormat {
+        dtype: WireDType::F16,
+        compression: Compression::None,
+    };
+    pub const INT8: WireFormat = WireFormat {
+        dtype: WireDType::F16,
+        compression: Compression::Int8Block64,
+    };
+
+    pub fn name(self) -> &'static str {
+        match (self.dtype, self.compression) {
+            (_, Compression::Int8Block64) => "int8 blocks of 64",
+            (WireDType::F32, _) => "f32",
+            (WireDType::F16, _) => "f16",
+            (WireDType::BF16, _) => "bf16",
+        }
+    }
+
+    /// `x` as the other end of a session in this format sees it.
+    fn cross(self, x: &Tensor) -> anyhow::Result<Tensor> {
+        let sent = to_payload(x, self.dtype)?.compressed(self.compression);
+        let received = from_view(&sent.view(), x.device())?;
+        Ok(received.to_dtype(x.dtype())?)
+    }
+}
+
+/// The figures of one format over every prompt.
+#[derive(Debug, Clone)]
+pub struct WireQuality {
+    pub format: WireFormat,
+    pub prompts: usize,
+    /// Positions compared under teacher forcing.
+    pub positions: usize,
+    /// Positions whose top token equals the reference's.
+    pub top_token_agreement: f64,
+    /// Largest and mean absolute logit difference, over the logits' own
+    /// standard deviation at that position.
+    pub max_logit_error: f64,
+    pub mean_logit_error: f64,
+    /// Prompts whose greedy answer is token for token the reference's.
+    pub identical_answers: usize,
+}
+
+/// The model split in three spans, and its head.
+pub struct SplitModel {
+    spans: Vec<BlockSpan>,
+    head: ClientHead,
+    pub part: ClientPart,
+}
+
+impl SplitModel {
+    pub fn open(model: &Path) -> anyhow::Result<Self> {
+        let checkpoint = Checkpoint::open(model)?;
+        let layers = checkpoint.config().num_hidden_layers;
+        let cuts = [0, layers / 3, 2 * layers / 3, layers];
+        let spans = cuts
+            .windows(2)
+            .map(|w| BlockSpan::load(&checkpoint, w[0], w[1], DType::F32, &Device::Cpu))
+            .collect::<Result<Vec<_>, _>>()?;
+        let part = ClientPart::load(&checkpoint, DType::F32)?;
+        let head = ClientHead::load(&checkpoint, DType::F32, &Device::Cpu)?;
+        Ok(SplitModel { spans, head, part })
+    }
+
+    /// Logits `[T, vocab]` of `ids` in one pass, every hidden state crossing
+    /// `wire` (none: `None`) between client and spans.
+    fn logits(&self, ids: &[u32], wire: Option<WireFormat>) -> anyhow::Result<Tensor> {
+        let mut x = self.head.embed(ids)?;
+        for span in &self.spans {
+            if let Some(wire) = wire {
+                x = wire.cross(&x)?;
+            }
+            let mut cache = span.new_cache(ids.len())?;
+            x = span.forward(&x, 0, &mut cache)?;
+        }
+        if let Some(wire) = wire {
+            x = wire.cross(&x)?;
+        }
+        Ok(self.head.logits(&x)?.i(0)?.to_dtype(DType::F32)?)
+    }
+
+    /// `new_tokens` greedy tokens after `prompt` (a prefill, then one token
+    /// per step with caches, as a client does).
+    fn greedy(
+        &self,
+        prompt: &[u32],
+        new_tokens: usize,
+        wire: Option<WireFormat>,
+    ) -> anyhow::Result<Vec<u32>> {
+        let max = prompt.len() + new_tokens;
+        let mut caches = self
+            .spans
+            .iter()
+            .map(|s| s.new_cache(max))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut input = prompt.to_vec();
+        let mut position = 0;
+        let mut out = Vec::with_capacity(new_tokens);
+        while out.len() < new_tokens {
+            let mut x = self.head.embed(&input)?;
+            for (span, cache) in self.spans.iter().zip(&mut caches) {
+                if let Some(wire) = wire {
+                    x = wire.cross(&x)?;
+                }
+                x = span.forward(&x, position, cache)?;
+            }
+            if let Some(wire) = wire {
+                x = wire.cross(&x)?;
+            }
+            let logits = self.head.last_logits(&x)?.to_dtype(DType::F32)?;
+            let token = logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?;
+            position += input.len();
+            out.push(token);
+            input = vec![token];
+        }
+        Ok(out)
+    }
+}
+
+/// Prompts of varied kinds: questions, instructions, code, lists, prose.
+pub fn prompts(count: usize) -> Vec<String> {
+    const SUBJECTS: [&str; 25] = [
+        "the water cycle",
+        "how a bicycle gear works",
+        "the history of the printing press",
+        "why the sky is blue",
+        "a recipe for pancakes",
+        "the rules of chess",
+        "photosynthesis",
+        "the French revolution",
+        "how vaccines train the immune system",
+        "binary search",
+        "the life of honey bees",
+        "plate tectonics",
+        "how to write a good email",
+        "the causes of inflation",
+        "a sorting algorithm in Python",
+        "the solar system's planets",
+        "how a refrigerator keeps food cold",
+        "the difference between weather and climate",
+        "a short poem about autumn",
+        "how the internet routes packets",
+        "the Roman empire",
+        "a healthy breakfast",
+        "how compilers work",
+        "the moon's phases",
+        "saving money on groceries",
+    ];
+    const FORMS: [&str; 5] = [
+        "Explain {} in simple terms.",
+        "Write three short facts about {}.",
+        "Question: what should a beginner know about {}? Answer:",
+        "Here is a paragraph about {}:",
+        "Summarize {} in one sentence.",
+    ];
+    (0..count)
+        .map(|i| {
+            let subject = SUBJECTS[i % SUBJECTS.len()];
+            let form = FORMS[(i / SUBJECTS.len() + i) % FORMS.len()];
+            form.replace("{}", subject)
+        })
+        .collect()
+}
+
+/// Measures `formats` on `count` prompts with `new_tokens` greedy tokens each.
+pub fn measure(
+    model: &Path,
+    count: usize,
+    new_tokens: usize,
+    formats: &[WireFormat],
+) -> anyhow::Result<Vec<WireQuality>> {
+    let split = SplitModel::open(model)?;
+    let mut figures: Vec<WireQuality> = formats
+        .iter()
+        .map(|&format| WireQuality {
+            format,
+            prompts: 0,
+            positions: 0,
+            top_token_agreement: 0.0,
+            max_logit_error: 0.0,
+            mean_logit_error: 0.0,
+            identical_answers: 0,
+        })
+        .collect();
+    let mut agreeing = vec![0usize; formats.len()];
+    let mut error_sum = vec![0f64; formats.len()];
+    for text in prompts(count) {
+        let prompt = split.part.tokenizer.encode(&text)?;
+        let answer = split.greedy(&prompt, new_tokens, None)?;
+        let mut forced = prompt.clone();
+        forced.extend_from_slice(&answer[..new_tokens - 1]);
+        let from = prompt.len() - 1;
+        let reference = split.logits(&forced, None)?.i(from..)?;
+        let ref_top = reference.argmax(1)?.to_vec1::<u32>()?;
+        let ref_std = reference
+            .broadcast_sub(&reference.mean_keepdim(1)?)?
+            .sqr()?
+            .mean_keepdim(1)?
+            .sqrt()?;
+        for (i, &format) in formats.iter().enumerate() {
+            let logits = split.logits(&forced, Some(format))?.i(from..)?;
+            let top = logits.argmax(1)?.to_vec1::<u32>()?;
+            agreeing[i] += top.iter().zip(&ref_top).filter(|(a, b)| a == b).count();
+            let error = (logits - &reference)?
+                .abs()?
+                .max_keepdim(1)?
+                .broadcast_div(&ref_std)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let f = &mut figures[i];
+            f.prompts += 1;
+            f.positions += error.len();
+            f.max_logit_error = error
+                .iter()
+                .fold(f.max_logit_error, |m, e| m.max(f64::from(*e)));
+            error_sum[i] += error.iter().map(|e| f64::from(*e)).sum::<f64>();
+            if split.greedy(&prompt, new_tokens, Some(format))? == answer {
+                f.identical_answers += 1;
+            }
+        }
+    }
+    for (i, f) in figures.iter_mut().enumerate() {
+        let positions = f.positions.max(1) as f64;
+        f.top_token_agreement = agreeing[i] as f64 / positions;
+        f.mean_logit_error = error_sum[i] / positions;
+    }
+    Ok(figures)
+}
+
+/// The figures as a Markdown table.
+pub fn table(figures: &[WireQuality], new_tokens: usize) -> String {
+    let mut out = String::from(
+        "| wire format | bytes per value | top token agreement (teacher-forced) | logit error max / mean (× the logits' std) | identical greedy answers |\n|---|---|---|---|---|\n",
+    );
+    for f in figures {
+        let bytes = f.format.compression.data_len(f.format.dtype, 8192) as f64 / 8192.0;
+        out.push_str(&format!(
+            "| {} | {:.2} | {:.2} % of {} positions | {:.4} / {:.5} | {} of {} ({} tokens each) |\n",
+            f.format.name(),
+            bytes,
+            100.0 * f.top_token_agreement,
+            f.positions,
+            f.max_logit_error,
+            f.mean_logit_error,
+            f.identical_answers,
+            f.prompts,
+            new_tokens,
+        ));
+    }
+    out
+}
