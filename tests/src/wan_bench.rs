@@ -18,14 +18,35 @@ pub const WAN_HEADING: &str = "## Over delayed links (`corolla-bench --wan`)";
 pub struct Variant {
     pub name: &'static str,
     pub args: &'static [&'static str],
+    /// Its tokens must equal the local run's (f16 on the wire may change
+    /// some: it rounds what f32 servers compute).
+    pub exact: bool,
 }
 
 /// The variants measured, one row each: add one per client flag to compare
 /// (e.g. `--no-push`, `--wire-dtype f16`, `--drafts 4`).
-pub const VARIANTS: &[Variant] = &[Variant {
-    name: "plain",
-    args: &[],
-}];
+pub const VARIANTS: &[Variant] = &[
+    Variant {
+        name: "(a) through the client",
+        args: &["--no-push", "--drafts", "0"],
+        exact: true,
+    },
+    Variant {
+        name: "(b) push",
+        args: &["--drafts", "0"],
+        exact: true,
+    },
+    Variant {
+        name: "(c) push + f16",
+        args: &["--drafts", "0", "--wire-dtype", "f16"],
+        exact: false,
+    },
+    Variant {
+        name: "(d) push + multi-token steps",
+        args: &[],
+        exact: true,
+    },
+];
 
 /// Round trips of every link, in milliseconds.
 pub const RTTS_MS: &[u64] = &[20, 50];
@@ -92,6 +113,9 @@ pub fn bench_wan(rounds: usize, new_tokens: usize) -> Result<Option<String>> {
 
     let mut rows = String::new();
     let mut differ = Vec::new();
+    let mut lossy = Vec::new();
+    // (RTT, variant, prompt) -> median tokens/s, for the ratios.
+    let mut rates = std::collections::HashMap::new();
     for &rtt in RTTS_MS {
         world.set_delay(LinkDelay::rtt_ms(rtt));
         for ((name, prompt), reference) in PROMPTS.iter().zip(&local) {
@@ -100,7 +124,12 @@ pub fn bench_wan(rounds: usize, new_tokens: usize) -> Result<Option<String>> {
                 for round in 0..rounds {
                     let out = run(&world, prompt, variant.args)?;
                     if out.generated_ids != reference.generated_ids {
-                        differ.push(format!("{rtt} ms, {}, {name}, round {round}", variant.name));
+                        let run = format!("{rtt} ms, {}, {name}, round {round}", variant.name);
+                        if variant.exact {
+                            differ.push(run);
+                        } else {
+                            lossy.push(run);
+                        }
                     }
                     eprintln!(
                         "{rtt} ms RTT, {}, {name}: {:.2} tokens/s",
@@ -112,6 +141,7 @@ pub fn bench_wan(rounds: usize, new_tokens: usize) -> Result<Option<String>> {
                     per_step.push(out.decode_ms_per_step() / out.decode_ms_per_token());
                 }
                 let tps = median(tps);
+                rates.insert((rtt, variant.name, *name), tps);
                 writeln!(
                     rows,
                     "| {rtt} ms | {} | {name} | {tps:.2} | {:.0} | {:.0} | {:.2} |",
@@ -139,9 +169,35 @@ pub fn bench_wan(rounds: usize, new_tokens: usize) -> Result<Option<String>> {
         )
     });
 
+    let mut ratios = Vec::new();
+    for &rtt in RTTS_MS {
+        for (name, _) in PROMPTS {
+            let rate = |v: usize| rates.get(&(rtt, VARIANTS[v].name, name)).copied();
+            if let (Some(a), Some(b), Some(d)) = (rate(0), rate(1), rate(3)) {
+                ratios.push(format!(
+                    "{rtt} ms, {name}: push / through the client **{:.2}×**, push + multi-token / \
+                     through the client {:.2}×",
+                    b / a,
+                    d / a
+                ));
+            }
+        }
+    }
+    let lossy = if lossy.is_empty() {
+        "f16 on the wire gave the local run's tokens in every run.".to_string()
+    } else {
+        format!(
+            "f16 on the wire changed tokens (against the f32 local run) in: {}.",
+            lossy.join("; ")
+        )
+    };
+
     let variants: Vec<String> = VARIANTS
         .iter()
-        .map(|v| format!("{} (`{}`)", v.name, v.args.join(" ")))
+        .map(|v| match v.args {
+            [] => format!("{} (no extra flags)", v.name),
+            args => format!("{} (`{}`)", v.name, args.join(" ")),
+        })
         .collect();
     let limits: Vec<String> = RTTS_MS
         .iter()
@@ -166,16 +222,17 @@ pub fn bench_wan(rounds: usize, new_tokens: usize) -> Result<Option<String>> {
          delaying TCP forwarder that it announces (`--public-name`); the `corolla` CLI in another \
          namespace; the host forwards nothing between them, so every link (client to server, server to \
          server) has the round trip below. Greedy, {new_tokens} new tokens; decode tokens/s (the prefill \
-         left out), medians of {rounds} rounds; every run's tokens equal `corolla generate --local`'s. \
-         Variants: {}.\n\n\
+         left out), medians of {rounds} rounds; every run's tokens equal `corolla generate --local`'s \
+         except where f16 rounds them ({lossy}). Variants: {}.\n\n\
          One layer's decode step on this CPU: **{layer_ms:.1} ms** (local runs of 10 and 1 layers: \
          {local_ms:.1} and {:.1} ms per token, the head included).\n\n\
          | RTT | variant | prompt | tokens/s | ms/token | ms/step | tokens/step |\n|---|---|---|---|---|---|---|\n{rows}\n\
          A step is one trip down the route; a drafting client may take several tokens a step. \
-         Floors per step set by the delays alone: {}.\n\n{recovery}",
+         Floors per step set by the delays alone: {}.\n\nRatios (same run): {}.\n\n{recovery}",
         variants.join(", "),
         local_one.decode_ms_per_token(),
-        limits.join("; ")
+        limits.join("; "),
+        ratios.join("; ")
     )))
 }
 

@@ -277,3 +277,30 @@ pub fn table(figures: &[WireQuality], new_tokens: usize) -> String {
     }
     out
 }
+
+pub const WIRE_QUALITY_HEADING: &str = "## Activations on the wire (`corolla-bench --wire-quality`)";
+
+/// The BENCHMARKS.md section: f32, f16 and 8-bit blocks on `prompts` prompts.
+pub fn wire_quality_section(
+    model: &Path,
+    prompts: usize,
+    new_tokens: usize,
+) -> anyhow::Result<String> {
+    let formats = [WireFormat::F32, WireFormat::F16, WireFormat::INT8];
+    let figures = measure(model, prompts, new_tokens, &formats)?;
+    Ok(format!(
+        "{WIRE_QUALITY_HEADING}\n\n\
+         Command: `corolla-bench --wire-quality --prompts {prompts} --new-tokens {new_tokens} --write BENCHMARKS.md`.\n\n\
+         The default model (SmolLM2-135M-Instruct, dequantized to f32) split in three spans in one \
+         process; every hidden state between the client and a span crosses the wire format and back, \
+         as sessions send them (`tests/src/wire_quality.rs`). Against the same spans with nothing in \
+         between: the top token and the logits at every position of the reference's own greedy \
+         continuation fed back (teacher forcing), and each prompt's {new_tokens}-token greedy answer. \
+         {prompts} prompts of varied kinds (explanations, lists, questions, summaries).\n\n{}\n\
+         So the wire carries the compute dtype by default (f32 here, f16 on GPU servers computing in \
+         f16): this model's residual stream has outliers that f16 rounds coarsely enough to change \
+         some answers, and a swarm's answer must be the local one. f16 (`--wire-dtype f16`) and 8-bit \
+         blocks (`--wire-compression int8`) are options for links where bytes matter more.\n",
+        table(&figures, new_tokens)
+    ))
+}

@@ -5,7 +5,9 @@
 //! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching | --only-swarm] [--write FILE]`,
 //! or `corolla-bench --page-figures DIR [--write FILE]` (the page tests' figures as a section),
 //! or `corolla-bench --wan [--rounds N] [--new-tokens N] [--write FILE]` (as root: the CLI
-//! through servers in network namespaces over delayed links, `corolla_tests::wan_bench`).
+//! through servers in network namespaces over delayed links, `corolla_tests::wan_bench`),
+//! or `corolla-bench --wire-quality [--prompts N] [--new-tokens N] [--write FILE]` (what f16
+//! and 8-bit activations on the wire do to the default model's answers).
 
 use std::time::Duration;
 
@@ -125,6 +127,20 @@ async fn main() -> anyhow::Result<()> {
         println!("{section}");
         if let Some(file) = write_to {
             write_section(&file, PAGE_HEADING, &section)?;
+        }
+        return Ok(());
+    }
+    if args.iter().any(|a| a == "--wire-quality") {
+        use corolla_tests::wire_quality::{wire_quality_section, WIRE_QUALITY_HEADING};
+        let model = corolla_tests::default_model()
+            .ok_or_else(|| anyhow::anyhow!("--wire-quality needs the default model"))?;
+        let (prompts, new_tokens) = (arg("--prompts", 100), arg("--new-tokens", 8));
+        let section =
+            tokio::task::spawn_blocking(move || wire_quality_section(&model, prompts, new_tokens))
+                .await??;
+        println!("{section}");
+        if let Some(file) = write_to {
+            write_section(&file, WIRE_QUALITY_HEADING, &section)?;
         }
         return Ok(());
     }
