@@ -278,7 +278,8 @@ pub fn table(figures: &[WireQuality], new_tokens: usize) -> String {
     out
 }
 
-pub const WIRE_QUALITY_HEADING: &str = "## Activations on the wire (`corolla-bench --wire-quality`)";
+pub const WIRE_QUALITY_HEADING: &str =
+    "## Activations on the wire (`corolla-bench --wire-quality`)";
 
 /// The BENCHMARKS.md section: f32, f16 and 8-bit blocks on `prompts` prompts.
 pub fn wire_quality_section(
