@@ -30,6 +30,18 @@ pub(crate) enum Refusal {
     Full { limit: usize },
 }
 
+impl Refusal {
+    /// What a peer refused a stream slot is told.
+    pub fn stream_message(self) -> String {
+        match self {
+            Refusal::PeerFull { limit } => {
+                format!("busy: this peer has {limit} streams open, the most one peer may")
+            }
+            Refusal::Full { limit } => format!("busy: {limit}/{limit} streams in use"),
+        }
+    }
+}
+
 impl Quota {
     pub fn new(per_peer: usize, total: usize) -> Arc<Self> {
         Arc::new(Quota {

@@ -18,8 +18,9 @@ use libp2p::{PeerId, Stream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::admission::{Quota, Refusal};
+use crate::admission::Quota;
 use crate::error::ServerError;
+use crate::server::refuse_stream;
 use crate::session::MAX_BAD_REQUESTS_IN_A_ROW;
 
 /// Pushed steps a session holds before further pushes are refused: one
@@ -188,11 +189,7 @@ pub(crate) fn accept_pushes(
                             });
                         }
                         Err(refusal) => {
-                            let message = match refusal {
-                                Refusal::PeerFull { limit } => format!("busy: this peer has {limit} streams open, the most one peer may"),
-                                Refusal::Full { limit } => format!("busy: {limit}/{limit} streams in use"),
-                            };
-                            tasks.spawn(refuse(stream, ErrorCode::Busy, message));
+                            tasks.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message()));
                         }
                     },
                     None => break,
@@ -201,15 +198,6 @@ pub(crate) fn accept_pushes(
             }
         }
     }))
-}
-
-async fn refuse(mut stream: Stream, code: ErrorCode, message: String) {
-    let frame = Response::error(code, message).encode();
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = write_frame(&mut stream, &frame).await;
-        let _ = stream.close().await;
-    })
-    .await;
 }
 
 async fn serve_pushes(

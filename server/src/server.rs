@@ -21,7 +21,7 @@ use libp2p::{Multiaddr, PeerId, Stream};
 use serde::Serialize;
 use tokio::task::JoinHandle;
 
-use crate::admission::{CacheBudget, Quota, Refusal};
+use crate::admission::{CacheBudget, Quota};
 use crate::compute::ComputeFigures;
 use crate::config::{BalanceQuality, DeviceArg, NumBlocks, ServerArgs};
 use crate::error::ServerError;
@@ -653,13 +653,7 @@ fn accept_sessions(
                             sessions.spawn(refuse_stream(stream, peer, ErrorCode::ShuttingDown, message.into()));
                         }
                         (Some(_), Err(refusal)) => {
-                            let message = match refusal {
-                                Refusal::PeerFull { limit } => {
-                                    format!("busy: this peer has {limit} streams open, the most one peer may")
-                                }
-                                Refusal::Full { limit } => format!("busy: {limit}/{limit} streams in use"),
-                            };
-                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::Busy, message));
+                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message()));
                         }
                     },
                     None => break,
@@ -671,7 +665,12 @@ fn accept_sessions(
 }
 
 /// Tells a peer why its stream is not served, briefly, and closes.
-async fn refuse_stream(mut stream: Stream, peer: PeerId, code: ErrorCode, message: String) {
+pub(crate) async fn refuse_stream(
+    mut stream: Stream,
+    peer: PeerId,
+    code: ErrorCode,
+    message: String,
+) {
     tracing::debug!(%peer, %message, "refused a stream");
     let frame = Response::error(code, message).encode();
     let _ = tokio::time::timeout(Duration::from_secs(2), async {

@@ -401,14 +401,18 @@ pub fn encode_step_with(header: &StepHeader, hidden: &TensorPayload) -> Vec<u8> 
     let mut out = Vec::with_capacity(64 + 64 * header.push.len() + hidden.encoded_len());
     out.push(tag::STEP);
     put_header(&mut out, header);
+    put_payload(&mut out, hidden);
+    out
+}
+
+fn put_payload(out: &mut Vec<u8>, hidden: &TensorPayload) {
     encode_into(
         hidden.dtype,
         hidden.compression,
         &hidden.shape,
         &hidden.data,
-        &mut out,
+        out,
     );
-    out
 }
 
 impl PushStep<'_> {
@@ -418,13 +422,7 @@ impl PushStep<'_> {
         out.push(tag::PUSH);
         out.extend_from_slice(&token.0);
         put_header(&mut out, header);
-        encode_into(
-            hidden.dtype,
-            hidden.compression,
-            &hidden.shape,
-            &hidden.data,
-            &mut out,
-        );
+        put_payload(&mut out, hidden);
         out
     }
 }
