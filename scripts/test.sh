@@ -20,6 +20,9 @@ source scripts/web-tools.sh
 step "format"
 cargo fmt --all --check
 
+step "deployment files (deploy/: systemd-analyze, docker compose where present)"
+bash scripts/check_deploy.sh
+
 step "build and lint (clippy-driver compiles the workspace, warnings denied)"
 shared_build
 

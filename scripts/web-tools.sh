@@ -46,6 +46,8 @@ web_tools() {
     if [ -n "$with_browser" ]; then
         command -v chromium >/dev/null || packages+=(chromium)
         command -v chromedriver >/dev/null || packages+=(chromium-driver)
+        # The NAT test world's routers (tests/src/nat.rs).
+        command -v iptables >/dev/null || packages+=(iptables)
     fi
     if [ "${#packages[@]}" -gt 0 ]; then
         apt_install "${packages[@]}"

@@ -3,13 +3,13 @@
 //! replacements, refuses impossible outputs, and spot-checks sampled steps
 //! against an independent witness (`crate::spot_check`).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{Device, Tensor};
-use corolla_shared::node::NodeHandle;
+use corolla_shared::node::{NodeHandle, Via};
 use corolla_shared::protocol::{OpenRequest, PushTarget, StepHeader};
 use corolla_shared::session::{RemoteSession, SessionError, StepTimeout};
 use corolla_shared::{Compression, TensorPayload, WireDType};
@@ -224,7 +224,14 @@ pub struct RemoteChain {
     /// Steps that went down the whole route by push.
     pushed_steps: usize,
     last_step_at: Instant,
+    /// How each server was reached when its session was opened.
+    via: HashMap<String, Via>,
 }
+
+/// How long opening a session on a server reached only through a relay
+/// waits for a hole punch: a direct connection saves a relay hop on every
+/// step for the rest of the session.
+const HOLE_PUNCH_WAIT: Duration = Duration::from_secs(5);
 
 /// After this long without a step, a failing server may only have expired
 /// the session: it is reopened and replayed before anyone is banned.
@@ -257,6 +264,7 @@ impl RemoteChain {
             recoveries: Vec::new(),
             suspects: Vec::new(),
             schedule,
+            via: HashMap::new(),
             steps: 0,
             pushed_steps: 0,
             last_step_at: Instant::now(),
@@ -303,7 +311,12 @@ impl RemoteChain {
     pub fn route(&self) -> Vec<Hop> {
         self.hops
             .iter()
-            .flat_map(|h| h.sessions.iter().map(|(hop, _)| hop.clone()))
+            .flat_map(|h| {
+                h.sessions.iter().map(|(hop, _)| Hop {
+                    via: self.via.get(&hop.peer_id).copied(),
+                    ..hop.clone()
+                })
+            })
             .collect()
     }
 
@@ -406,6 +419,11 @@ impl RemoteChain {
             compression: self.settings.compression,
             flow_window: self.settings.flow_window,
         };
+        // A failure here is the session's to report, with its own error.
+        if let Ok(via) = self.view.node().prefer_direct(peer, HOLE_PUNCH_WAIT).await {
+            tracing::debug!(%peer, ?via, "connected");
+            self.via.insert(hop.peer_id.clone(), via);
+        }
         let mut control = self.view.node().control();
         Ok(
             RemoteSession::open(&mut control, peer, request, self.settings.timeout)

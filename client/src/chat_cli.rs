@@ -569,6 +569,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         wire_dtype: None,
         wire_compression: corolla_shared::Compression::None,
         no_push: false,
+        no_hole_punch: false,
     };
     let model = ModelArgs {
         model: Some(path),

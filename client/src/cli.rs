@@ -21,11 +21,12 @@ use crate::chain::{Recovery, SessionSettings};
 use crate::chat::ChatMessage;
 use crate::generate::GenerateRequest;
 use crate::models::{DEFAULT_INDEX, DEFAULT_MODEL};
-use crate::network::{connect, connect_with};
-use crate::route::{uncovered_blocks, Hop};
+use crate::network::connect_with;
+use crate::route::Hop;
 use crate::spot_check::Referee;
 use crate::text::TextStream;
 use corolla_shared::peers::parse_peer_list;
+use corolla_shared::swarm_report::{rtts_by_peer, SwarmReport};
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]
@@ -117,6 +118,10 @@ pub(crate) struct SwarmArgs {
     /// Server failures survived in one generation before giving up.
     #[arg(long, default_value_t = 8)]
     pub max_retries: usize,
+    /// Keep connections to servers behind NATs on their relay instead of
+    /// punching a hole through both NATs for a direct one.
+    #[arg(long)]
+    pub no_hole_punch: bool,
     /// Use only these servers (peer ids).
     #[arg(long, num_args = 1.., value_delimiter = ',')]
     pub allowed_servers: Vec<String>,
@@ -476,7 +481,7 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
         Assistant::local(&checkpoint, dtype)?
     } else {
         let allowed = parse_peer_list(&swarm.allowed_peers).map_err(anyhow::Error::msg)?;
-        let node = connect_with(&swarm.initial_peers, allowed).await?;
+        let node = connect_with(&swarm.initial_peers, allowed, &swarm.reach_settings()).await?;
         let mut settings = swarm.session_settings();
         if settings.spot_check > 0.0 {
             settings.referee = Referee::new(checkpoint.clone(), dtype, Device::Cpu);
@@ -487,6 +492,14 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
 }
 
 impl SwarmArgs {
+    /// How this client's node reaches servers behind NATs.
+    pub(crate) fn reach_settings(&self) -> corolla_shared::reach::ReachSettings {
+        corolla_shared::reach::ReachSettings {
+            hole_punch: !self.no_hole_punch,
+            ..corolla_shared::reach::ReachSettings::client()
+        }
+    }
+
     /// The sessions' settings these flags ask for.
     pub(crate) fn session_settings(&self) -> SessionSettings {
         SessionSettings {
@@ -598,15 +611,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-#[derive(Serialize)]
-struct SwarmJson<'a> {
-    model: &'a str,
-    num_layers: usize,
-    servers: &'a [ServerRecord],
-    uncovered: Vec<(usize, usize)>,
-    complete: bool,
-}
-
 async fn run_swarm(args: SwarmCommandArgs) -> Result<()> {
     let checkpoint = args.model.as_deref().map(open_checkpoint).transpose()?;
     let model = match (&args.swarm.model_name, &checkpoint) {
@@ -616,42 +620,77 @@ async fn run_swarm(args: SwarmCommandArgs) -> Result<()> {
             bail!("pass --model-name NAME or --model DIR to say which model to look up")
         }
     };
-    let node = connect(&args.swarm.initial_peers).await?;
+    let allowed = parse_peer_list(&args.swarm.allowed_peers).map_err(anyhow::Error::msg)?;
+    let node = connect_with(
+        &args.swarm.initial_peers,
+        allowed,
+        &args.swarm.reach_settings(),
+    )
+    .await?;
     let records = node.discover(&model, args.swarm.discovery_timeout).await?;
     let num_layers = checkpoint
         .as_ref()
-        .map(|c| c.config().num_hidden_layers)
-        .or_else(|| records.iter().map(|r| r.num_layers as usize).max())
+        .map(|c| c.config().num_hidden_layers as u32)
+        .or_else(|| records.iter().map(|r| r.num_layers).max())
         .unwrap_or(0);
-    let uncovered = uncovered_blocks(&records, num_layers);
+    let rtts = measure_rtts(&node, &records).await;
+    let report = SwarmReport::build(&model, num_layers, &records, &rtts_by_peer(rtts));
     if args.json {
-        let json = SwarmJson {
-            model: &model,
-            num_layers,
-            servers: &records,
-            complete: uncovered.is_empty() && num_layers > 0,
-            uncovered,
-        };
-        println!("{}", serde_json::to_string(&json)?);
-        return Ok(());
-    }
-    println!(
-        "model {model}: {} servers, {num_layers} blocks",
-        records.len()
-    );
-    for r in &records {
-        println!(
-            "  {}  blocks {:>3}..{:<3}  {:>8.1} tokens/s  {}  {}",
-            r.peer_id, r.start, r.end, r.throughput, r.dtype, r.fingerprint
-        );
-    }
-    if uncovered.is_empty() && num_layers > 0 {
-        println!("all {num_layers} blocks are served");
+        println!("{}", serde_json::to_string(&report)?);
     } else {
-        let gaps: Vec<String> = uncovered.iter().map(|(a, b)| format!("{a}..{b}")).collect();
-        println!("blocks not served: {}", gaps.join(", "));
+        print!("{}", report.to_text());
     }
     Ok(())
+}
+
+/// How long `corolla swarm` waits for the round trips to the servers found.
+const RTT_WAIT: Duration = Duration::from_secs(3);
+
+/// The last ping round trip from this node to each server of `records`:
+/// dials those not connected yet (libp2p pings as soon as a connection is
+/// up) and waits until every reachable one has a figure, or [`RTT_WAIT`].
+async fn measure_rtts(
+    node: &corolla_shared::node::NodeHandle,
+    records: &[ServerRecord],
+) -> std::collections::HashMap<libp2p::PeerId, Duration> {
+    let peers: Vec<(libp2p::PeerId, Vec<Multiaddr>)> = records
+        .iter()
+        .filter(|r| !r.leaving)
+        .filter_map(|r| {
+            let peer = r.peer_id.parse().ok()?;
+            let addrs = r.addresses.iter().filter_map(|a| a.parse().ok()).collect();
+            Some((peer, addrs))
+        })
+        .collect();
+    // Connected peers have been pinged already (or will be shortly).
+    let connected = node.peer_rtts().await.unwrap_or_default();
+    let connected = &connected;
+    let dials = peers.iter().map(|(peer, addrs)| async move {
+        if connected.contains_key(peer) {
+            return Ok(());
+        }
+        node.dial(*peer, addrs.clone(), RTT_WAIT).await
+    });
+    let reached: Vec<libp2p::PeerId> = futures::future::join_all(dials)
+        .await
+        .into_iter()
+        .zip(&peers)
+        .filter_map(|(dialed, (peer, _))| match dialed {
+            Ok(()) => Some(*peer),
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "cannot reach a server to time it");
+                None
+            }
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + RTT_WAIT;
+    loop {
+        let rtts = node.peer_rtts().await.unwrap_or_default();
+        if reached.iter().all(|p| rtts.contains_key(p)) || std::time::Instant::now() > deadline {
+            return rtts;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn run_convert(args: ConvertArgs) -> Result<()> {

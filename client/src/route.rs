@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use corolla_shared::node::Via;
 use corolla_shared::ServerRecord;
 use serde::Serialize;
 
@@ -14,6 +15,9 @@ pub struct Hop {
     pub peer_id: String,
     pub start: usize,
     pub end: usize,
+    /// How the client reached the server, once it has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub via: Option<Via>,
 }
 
 /// Blocks of `0..num_layers` that no record covers, as `[start, end)` ranges.
@@ -160,6 +164,7 @@ pub fn plan_route_between(
             peer_id: records[i].peer_id.clone(),
             start: prev,
             end: b,
+            via: None,
         });
         b = prev;
     }
@@ -215,6 +220,7 @@ mod tests {
             published_at_ms: 0,
             leaving: false,
             rebalances: false,
+            reachability: Default::default(),
         }
     }
 
@@ -236,12 +242,14 @@ mod tests {
                 Hop {
                     peer_id: "b".into(),
                     start: 0,
-                    end: 3
+                    end: 3,
+                    via: None
                 },
                 Hop {
                     peer_id: "c".into(),
                     start: 3,
-                    end: 8
+                    end: 8,
+                    via: None
                 },
             ]
         );
@@ -280,7 +288,8 @@ mod tests {
             vec![Hop {
                 peer_id: "a".into(),
                 start: 2,
-                end: 5
+                end: 5,
+                via: None
             }]
         );
     }

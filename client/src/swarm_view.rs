@@ -11,7 +11,7 @@ use std::time::Duration;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::session::fetch_info;
 use corolla_shared::ServerRecord;
-use libp2p::PeerId;
+use libp2p::{Multiaddr, PeerId};
 use web_time::Instant;
 
 use crate::chain::SessionSettings;
@@ -141,7 +141,7 @@ impl SwarmView {
             let state = self.state();
             records
                 .iter()
-                .filter(|r| filter.admits(&r.peer_id) && !state.banned(&r.peer_id))
+                .filter(|r| filter.admits(&r.peer_id) && can_dial(r) && !state.banned(&r.peer_id))
                 .take(MAX_PINGED)
                 .cloned()
                 .collect()
@@ -197,13 +197,16 @@ impl SwarmView {
         }
     }
 
-    /// The servers this client may use now: known, admitted, not banned.
+    /// The servers this client may use now: known, admitted, dialable from
+    /// here, not banned.
     pub fn usable_servers(&self) -> Vec<ServerRecord> {
         let state = self.state();
         state
             .records
             .iter()
-            .filter(|r| self.shared.filter.admits(&r.peer_id) && !state.banned(&r.peer_id))
+            .filter(|r| {
+                self.shared.filter.admits(&r.peer_id) && can_dial(r) && !state.banned(&r.peer_id)
+            })
             .cloned()
             .collect()
     }
@@ -314,7 +317,8 @@ impl SwarmView {
                 .peekable();
             servers.peek().is_some()
                 && servers.all(|r| {
-                    state.banned(&r.peer_id) && state.last_failure.contains_key(&r.peer_id)
+                    !can_dial(r)
+                        || state.banned(&r.peer_id) && state.last_failure.contains_key(&r.peer_id)
                 })
         })
     }
@@ -328,7 +332,11 @@ impl SwarmView {
             .iter()
             .filter(|r| (r.start as usize) < to && (r.end as usize) > from)
             .filter_map(|r| {
-                let why = state.last_failure.get(&r.peer_id)?;
+                let why = match state.last_failure.get(&r.peer_id) {
+                    Some(why) => why.clone(),
+                    None if !can_dial(r) => unreachable_reason(r),
+                    None => return None,
+                };
                 Some(format!(
                     "{} (blocks {}..{}): {why}",
                     r.peer_id, r.start, r.end
@@ -388,6 +396,65 @@ impl SwarmView {
 
     pub fn is_banned(&self, peer: &str) -> bool {
         self.state().banned(peer)
+    }
+}
+
+/// Whether this client has a transport for one of `record`'s addresses: a
+/// page dials WebRTC-direct and WebSocket addresses of public servers only;
+/// a native client dials TCP, straight or through a relay.
+pub fn can_dial(record: &ServerRecord) -> bool {
+    record
+        .addresses
+        .iter()
+        .filter_map(|a| a.parse::<Multiaddr>().ok())
+        .any(|a| dialable_here(&a))
+}
+
+#[cfg(target_arch = "wasm32")]
+fn dialable_here(addr: &Multiaddr) -> bool {
+    use libp2p::multiaddr::Protocol;
+    let relayed = addr.iter().any(|p| p == Protocol::P2pCircuit);
+    !relayed
+        && addr.iter().any(|p| {
+            matches!(
+                p,
+                Protocol::WebRTCDirect | Protocol::Ws(_) | Protocol::Wss(_)
+            )
+        })
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn dialable_here(addr: &Multiaddr) -> bool {
+    use libp2p::multiaddr::Protocol;
+    // The first transport of the address is what this client must speak:
+    // for a relayed address, the way to the relay.
+    let mut transports = addr.iter().filter(|p| {
+        matches!(
+            p,
+            Protocol::Tcp(_)
+                | Protocol::Udp(_)
+                | Protocol::Ws(_)
+                | Protocol::Wss(_)
+                | Protocol::QuicV1
+                | Protocol::WebRTCDirect
+        )
+    });
+    matches!(transports.next(), Some(Protocol::Tcp(_)))
+        && !addr
+            .iter()
+            .any(|p| matches!(p, Protocol::Ws(_) | Protocol::Wss(_)))
+}
+
+/// Why a server this client cannot dial is left out, for error messages.
+fn unreachable_reason(record: &ServerRecord) -> String {
+    let behind_nat = record.reachability == corolla_shared::Reachability::Private;
+    match (record.addresses.is_empty(), behind_nat) {
+        (true, true) => "unreachable: behind a NAT, and no relay holds a slot for it".into(),
+        (true, false) => "unreachable: it announces no address".into(),
+        (false, _) if cfg!(target_arch = "wasm32") => {
+            "unreachable from a browser: no public WebRTC-direct or WebSocket address".into()
+        }
+        (false, _) => "unreachable: no address this client has a transport for".into(),
     }
 }
 

@@ -154,6 +154,11 @@ impl CacheBudget {
     pub fn free(&self) -> usize {
         self.total.saturating_sub(*self.reserved())
     }
+
+    /// Tokens reserved by open sessions now.
+    pub fn used(&self) -> usize {
+        *self.reserved()
+    }
 }
 
 /// Cache tokens held by one session.

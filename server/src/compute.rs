@@ -17,6 +17,7 @@ use corolla_model::{BlockSpan, ModelError, SessionCache, Tensor};
 use tokio::sync::oneshot;
 
 use crate::error::ComputeError;
+use crate::metrics::ServerMetrics;
 
 /// How the scheduler cuts work.
 #[derive(Debug, Clone, Copy)]
@@ -112,13 +113,18 @@ pub(crate) struct ComputeCore {
 
 impl ComputeCore {
     /// Starts the core's thread; it ends when the last handle is dropped.
-    pub fn start(span: Arc<BlockSpan>, settings: ComputeSettings) -> std::io::Result<Self> {
+    pub fn start(
+        span: Arc<BlockSpan>,
+        settings: ComputeSettings,
+        metrics: ServerMetrics,
+    ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel();
         let stats = Arc::new(ComputeStats::default());
         let scheduler = Scheduler {
             span: span.clone(),
             settings,
             stats: stats.clone(),
+            metrics,
             caches: HashMap::new(),
             decodes: Vec::new(),
             prefills: VecDeque::new(),
@@ -208,6 +214,7 @@ struct Scheduler {
     span: Arc<BlockSpan>,
     settings: ComputeSettings,
     stats: Arc<ComputeStats>,
+    metrics: ServerMetrics,
     caches: HashMap<SessionId, SessionCache>,
     decodes: Vec<StepJob>,
     prefills: VecDeque<Prefill>,
@@ -337,6 +344,7 @@ impl Scheduler {
         self.stats
             .largest_batch
             .fetch_max(size as u64, Ordering::Relaxed);
+        self.metrics.decode_batch(size);
         match outputs {
             Ok(Ok(outputs)) => {
                 for ((job, cache), out) in batch.into_iter().zip(outputs) {

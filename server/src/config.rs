@@ -179,6 +179,10 @@ pub struct ServerArgs {
     /// File holding this server's key, created if absent, for a stable peer id.
     #[arg(long, env = "COROLLA_IDENTITY")]
     pub identity: Option<PathBuf>,
+    /// Start even when the identity file (or its `.webrtc.pem`) is
+    /// readable by other users; by default such a key is refused.
+    #[arg(long, env = "COROLLA_ALLOW_SHARED_IDENTITY")]
+    pub allow_shared_identity: bool,
     /// Longest session (prompt plus generated tokens) accepted.
     #[arg(long, env = "COROLLA_INFERENCE_MAX_LENGTH", default_value_t = 2048)]
     pub inference_max_length: usize,
@@ -260,6 +264,29 @@ pub struct ServerArgs {
     /// the last batch's time).
     #[arg(long, env = "COROLLA_MAX_BATCH_WAIT", default_value = "10ms", value_parser = parse_wait)]
     pub max_batch_wait: Duration,
+    /// Do not offer circuit relay v2 to servers behind NATs (a public
+    /// server offers it by default; a private one is never chosen).
+    #[arg(long, env = "COROLLA_NO_RELAY")]
+    pub no_relay: bool,
+    /// Private servers holding a relay slot on this one at once.
+    #[arg(long, env = "COROLLA_RELAY_MAX_RESERVATIONS", default_value_t = 64)]
+    pub relay_max_reservations: usize,
+    /// Relayed connections carried at once.
+    #[arg(long, env = "COROLLA_RELAY_MAX_CIRCUITS", default_value_t = 32)]
+    pub relay_max_circuits: usize,
+    /// A relayed connection is closed after this many bytes (the client
+    /// then replays to another route).
+    #[arg(long, env = "COROLLA_RELAY_MAX_CIRCUIT_BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    pub relay_max_circuit_bytes: u64,
+    /// ... or after this long.
+    #[arg(long, env = "COROLLA_RELAY_MAX_CIRCUIT_DURATION", default_value = "30m", value_parser = parse_duration)]
+    pub relay_max_circuit_duration: Duration,
+    /// Do not ask the router for a port mapping (UPnP).
+    #[arg(long, env = "COROLLA_NO_UPNP")]
+    pub no_upnp: bool,
+    /// Do not try to turn relayed connections into direct ones (DCUtR).
+    #[arg(long, env = "COROLLA_NO_HOLE_PUNCH")]
+    pub no_hole_punch: bool,
     /// Decode steps computed in one batched forward.
     #[arg(long, env = "COROLLA_MAX_BATCH", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_batch: u32,
@@ -295,6 +322,22 @@ fn parse_balance_quality(s: &str) -> Result<BalanceQuality, String> {
 }
 
 impl ServerArgs {
+    pub(crate) fn reach_settings(&self) -> corolla_shared::reach::ReachSettings {
+        use corolla_shared::reach::{ReachSettings, RelayLimits};
+        ReachSettings {
+            relay: (!self.no_relay).then(|| RelayLimits {
+                max_reservations: self.relay_max_reservations,
+                max_circuits: self.relay_max_circuits,
+                max_circuit_bytes: self.relay_max_circuit_bytes,
+                max_circuit_duration: self.relay_max_circuit_duration,
+                ..RelayLimits::default()
+            }),
+            hole_punch: !self.no_hole_punch,
+            upnp: !self.no_upnp,
+            ..ReachSettings::server()
+        }
+    }
+
     pub(crate) fn compute_settings(&self) -> crate::compute::ComputeSettings {
         crate::compute::ComputeSettings {
             max_chunk_tokens: self.max_chunk_tokens,

@@ -19,6 +19,7 @@ use crate::compute::{ComputeCore, ComputeSettings};
 use crate::error::ServerError;
 use crate::hub::ModelSource;
 use crate::measure::{measure, Throughput};
+use crate::metrics::ServerMetrics;
 use crate::push::PushInboxes;
 use crate::session::SessionContext;
 
@@ -90,6 +91,7 @@ pub(crate) struct HostSettings {
     pub pushes: Arc<PushInboxes>,
     /// For pushes to the next servers of clients' routes.
     pub control: libp2p_stream::Control,
+    pub metrics: ServerMetrics,
 }
 
 /// A span in service: its sessions' context and the switch that tells
@@ -121,7 +123,7 @@ impl HostSettings {
             leaving: false,
             ..self.template.clone()
         };
-        let core = ComputeCore::start(Arc::new(loaded.span), self.compute)
+        let core = ComputeCore::start(Arc::new(loaded.span), self.compute, self.metrics.clone())
             .map_err(|e| ServerError::Config(format!("cannot start the compute thread: {e}")))?;
         let (leaving, shutdown) = watch::channel(false);
         let ctx = SessionContext {
@@ -139,6 +141,7 @@ impl HostSettings {
             record: Mutex::new(record),
             pushes: self.pushes.clone(),
             control: self.control.clone(),
+            metrics: self.metrics.clone(),
         };
         Ok(Hosted {
             ctx: Arc::new(ctx),

@@ -3,7 +3,7 @@
 //! final norm, LM head, listed with sizes and SHA-256 in a manifest so a page
 //! can show progress and cache by digest; an untied quantized model's LM head
 //! and embedding table as raw tensors, the table read by range a row at a
-//! time), and a JSON status. Only GET; CORS
+//! time), a JSON status and Prometheus metrics (`/metrics`). Only GET; CORS
 //! is open, since an embedded widget fetches from other sites' pages.
 //! Connections and requests are bounded by `http_guard`.
 
@@ -33,6 +33,7 @@ use crate::error::ServerError;
 use crate::host::SpanHost;
 use crate::http_guard::{guard_request, serve_bounded, Guard, HttpLimits};
 use crate::hub::ModelSource;
+use crate::metrics::ServerMetrics;
 use crate::tls::TlsIdentity;
 
 /// `GET /api/status`: the live record plus how browsers reach this server.
@@ -49,6 +50,7 @@ struct Status {
 
 struct HttpState {
     host: Arc<SpanHost>,
+    metrics: ServerMetrics,
     http: String,
     browser_addresses: Vec<String>,
     /// Keeps the client part's folder alive as long as the server.
@@ -135,6 +137,9 @@ const CLIENT_TENSORS: [&str; 3] = [
 /// The HTTP side of a server started with `--http-port`: writes the client
 /// part (fetching its files first, for a hub model), binds and serves.
 /// Returns the public URL and the serving task; `None` without `--http-port`.
+// Each argument is a distinct piece of the server it serves; a struct
+// gathering them would only be built at this one call.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn start(
     args: &ServerArgs,
     checkpoint: Arc<Checkpoint>,
@@ -143,6 +148,8 @@ pub(crate) async fn start(
     host: Arc<SpanHost>,
     tls: Option<Arc<TlsIdentity>>,
     listen_addrs: &[Multiaddr],
+    node: corolla_shared::node::NodeHandle,
+    metrics: ServerMetrics,
 ) -> Result<Option<(String, JoinHandle<()>)>, ServerError> {
     let Some(port) = args.http_port else {
         return Ok(None);
@@ -172,6 +179,8 @@ pub(crate) async fn start(
         public_host,
         web_dir: args.web_dir.clone(),
         tls,
+        metrics,
+        monitor: crate::monitor::SwarmMonitor::new(node, host.clone()),
         browser_addresses: listen_addrs
             .iter()
             .filter(|a| {
@@ -196,6 +205,10 @@ struct HttpConfig {
     browser_addresses: Vec<String>,
     /// Serve https with this certificate.
     tls: Option<Arc<TlsIdentity>>,
+    /// `/metrics`.
+    metrics: ServerMetrics,
+    /// `/monitor` and `/api/swarm`.
+    monitor: Arc<crate::monitor::SwarmMonitor>,
 }
 
 /// Writes the client part of `checkpoint`, and `manifest.json` describing
@@ -295,12 +308,15 @@ async fn serve(
     let files = ServeDir::new(part_dir(&client_part));
     let state = Arc::new(HttpState {
         host,
+        metrics: config.metrics.clone(),
         http: http.clone(),
         browser_addresses: config.browser_addresses,
         _client_dir_guard: client_part,
     });
     let mut app = Router::new()
         .route("/api/status", get(status))
+        .route("/metrics", get(metrics))
+        .merge(crate::monitor::routes(config.monitor.clone()))
         .nest_service("/model", files);
     app = match &config.web_dir {
         Some(dir) => app
@@ -334,6 +350,22 @@ async fn status(State(state): State<Arc<HttpState>>) -> Json<Status> {
             .map(|ctx| ctx.core.stats().figures())
             .unwrap_or_default(),
     })
+}
+
+/// `GET /metrics`: the server's and libp2p's series, as OpenMetrics text.
+async fn metrics(State(state): State<Arc<HttpState>>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match state.metrics.encode() {
+        Ok(text) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                crate::metrics::CONTENT_TYPE,
+            )],
+            text,
+        )
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
 }
 
 async fn no_page() -> (StatusCode, Html<&'static str>) {

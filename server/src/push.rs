@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 
 use crate::admission::Quota;
 use crate::error::ServerError;
+use crate::metrics::ServerMetrics;
 use crate::server::refuse_stream;
 use crate::session::MAX_BAD_REQUESTS_IN_A_ROW;
 
@@ -171,6 +172,7 @@ pub(crate) fn accept_pushes(
     limits: Limits,
     idle_timeout: Duration,
     streams: Arc<Quota>,
+    metrics: ServerMetrics,
 ) -> Result<JoinHandle<()>, ServerError> {
     let mut incoming = control
         .accept(PUSH_PROTOCOL)
@@ -183,13 +185,14 @@ pub(crate) fn accept_pushes(
                     Some((peer, stream)) => match streams.try_take(peer) {
                         Ok(slot) => {
                             let inboxes = inboxes.clone();
+                            let metrics = metrics.clone();
                             tasks.spawn(async move {
-                                serve_pushes(stream, peer, &inboxes, limits, idle_timeout).await;
+                                serve_pushes(stream, peer, &inboxes, limits, idle_timeout, &metrics).await;
                                 drop(slot);
                             });
                         }
                         Err(refusal) => {
-                            tasks.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message()));
+                            tasks.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message(), metrics.clone()));
                         }
                     },
                     None => break,
@@ -206,6 +209,7 @@ async fn serve_pushes(
     inboxes: &PushInboxes,
     limits: Limits,
     idle_timeout: Duration,
+    metrics: &ServerMetrics,
 ) {
     let mut reader = FrameReader::new(limits.max_frame_bytes());
     let mut refused_in_a_row = 0;
@@ -233,9 +237,13 @@ async fn serve_pushes(
             }
         };
         match refusal {
-            None => refused_in_a_row = 0,
+            None => {
+                refused_in_a_row = 0;
+                metrics.push_received();
+            }
             Some((code, message)) => {
                 refused_in_a_row += 1;
+                metrics.error_sent(code);
                 tracing::debug!(%peer, %message, "refused a push");
                 let frame = Response::error(code, message).encode();
                 let written =

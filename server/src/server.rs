@@ -28,6 +28,7 @@ use crate::error::ServerError;
 use crate::host::{HostSettings, SpanHost, SpanLoader};
 use crate::hub::ModelSource;
 use crate::identity::{load_or_create_certificate, load_or_create_keypair};
+use crate::metrics::ServerMetrics;
 use crate::placement::choose_blocks;
 use crate::push::{accept_pushes, PushInboxes};
 use crate::rebalance::Rebalancer;
@@ -50,6 +51,7 @@ pub struct RunningServer {
     host: Arc<SpanHost>,
     sessions: Arc<Quota>,
     drain_timeout: Duration,
+    metrics: ServerMetrics,
 }
 
 impl RunningServer {
@@ -91,6 +93,11 @@ impl RunningServer {
 
     pub fn node(&self) -> &NodeHandle {
         &self.node
+    }
+
+    /// The series `/metrics` serves.
+    pub fn metrics(&self) -> &ServerMetrics {
+        &self.metrics
     }
 
     /// What the compute core has done so far (decode batches, prefill chunks).
@@ -269,9 +276,10 @@ impl Server {
             .or_else(|| source.default_name(&checkpoint))
             .unwrap_or_else(|| default_model_name(&checkpoint));
 
-        let keypair = load_or_create_keypair(args.identity.as_deref())?;
+        let keypair = load_or_create_keypair(args.identity.as_deref(), args.allow_shared_identity)?;
         let allowed_peers = parse_peer_list(&args.allowed_peers).map_err(ServerError::Config)?;
-        let certificate = load_or_create_certificate(args.identity.as_deref())?;
+        let certificate =
+            load_or_create_certificate(args.identity.as_deref(), args.allow_shared_identity)?;
         let tls = match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(Arc::new(crate::tls::TlsIdentity::load(cert, key)?)),
             _ => None,
@@ -286,17 +294,24 @@ impl Server {
             ..NetworkLimits::server()
         }
         .with_allowed_peers(allowed_peers.clone());
+        // libp2p's byte counts per transport go into the registry `/metrics` serves.
+        let mut registry = native::MetricsRegistry::default();
         let swarm = native::build_swarm(
             keypair.clone(),
             args.update_period,
             &limits,
             Some(transports),
+            &args.reach_settings(),
+            Some(&mut registry),
         )
         .await
         .map_err(|e| ServerError::Network(e.to_string()))?;
         let (mut node, handle, mut events) = Node::new(swarm);
+        node.record_metrics(&mut registry);
+        let metrics = ServerMetrics::new(registry);
         node.serve_dht(args.public_name.clone(), keypair);
         node.allow_only(allowed_peers);
+        node.prefer_relays(initial_peers.iter().map(|(peer, _)| *peer));
         let peer_id = handle.peer_id();
 
         let ip = ip_proto(args.host);
@@ -477,6 +492,7 @@ impl Server {
             published_at_ms: 0,
             leaving: false,
             rebalances,
+            reachability: Default::default(),
         };
         let per_peer = args
             .max_sessions_per_peer
@@ -518,7 +534,9 @@ impl Server {
             update_period: args.update_period,
             pushes: Arc::new(PushInboxes::default()),
             control: handle.control(),
+            metrics: metrics.clone(),
         });
+        metrics.watch(settings.sessions.clone(), settings.cache.clone());
         if args.corrupt_outputs > 0.0 {
             tracing::warn!(
                 rate = args.corrupt_outputs,
@@ -531,15 +549,25 @@ impl Server {
         // Streams not yet holding a session cost a little each: a few more
         // than a peer's sessions, a few more than all sessions in total.
         let streams = Quota::new(per_peer + 2, args.max_sessions.saturating_mul(2) + 8);
-        tasks.push(accept_sessions(&handle, host.clone(), streams.clone())?);
+        tasks.push(accept_sessions(
+            &handle,
+            host.clone(),
+            streams.clone(),
+            metrics.clone(),
+        )?);
         tasks.push(accept_pushes(
             &mut handle.control(),
             settings.pushes.clone(),
             settings.limits,
             args.session_timeout,
             streams,
+            metrics.clone(),
         )?);
         tasks.push(accept_info(&handle, host.clone())?);
+        tasks.push(tokio::spawn(watch_relay_circuits(
+            handle.clone(),
+            metrics.clone(),
+        )));
         let http = match crate::http::start(
             &args,
             checkpoint.clone(),
@@ -548,6 +576,8 @@ impl Server {
             host.clone(),
             tls,
             &addrs,
+            handle.clone(),
+            metrics.clone(),
         )
         .await?
         {
@@ -603,6 +633,7 @@ impl Server {
             host,
             sessions,
             drain_timeout: args.drain_timeout,
+            metrics,
         })
     }
 }
@@ -633,6 +664,7 @@ fn accept_sessions(
     handle: &NodeHandle,
     host: Arc<SpanHost>,
     streams: Arc<Quota>,
+    metrics: ServerMetrics,
 ) -> Result<JoinHandle<()>, ServerError> {
     let mut incoming = handle
         .control()
@@ -650,10 +682,10 @@ fn accept_sessions(
                         }
                         (None, _) => {
                             let message = "this server is changing its blocks or leaving; continue elsewhere";
-                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::ShuttingDown, message.into()));
+                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::ShuttingDown, message.into(), metrics.clone()));
                         }
                         (Some(_), Err(refusal)) => {
-                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message()));
+                            sessions.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message(), metrics.clone()));
                         }
                     },
                     None => break,
@@ -665,13 +697,31 @@ fn accept_sessions(
 }
 
 /// Tells a peer why its stream is not served, briefly, and closes.
+/// Keeps `corolla_relay_circuits` current: the node counts the circuits,
+/// the gauge shows the latest count.
+async fn watch_relay_circuits(node: NodeHandle, metrics: ServerMetrics) {
+    let mut tick = tokio::time::interval(RELAY_GAUGE_PERIOD);
+    loop {
+        tick.tick().await;
+        match node.reach().await {
+            Ok(report) => metrics.set_relay_circuits(report.relay_circuits),
+            Err(_) => break,
+        }
+    }
+}
+
+/// How stale `corolla_relay_circuits` may be.
+const RELAY_GAUGE_PERIOD: Duration = Duration::from_secs(2);
+
 pub(crate) async fn refuse_stream(
     mut stream: Stream,
     peer: PeerId,
     code: ErrorCode,
     message: String,
+    metrics: ServerMetrics,
 ) {
     tracing::debug!(%peer, %message, "refused a stream");
+    metrics.error_sent(code);
     let frame = Response::error(code, message).encode();
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = framing::write_frame(&mut stream, &frame).await;

@@ -5,6 +5,7 @@
 //! opened session, a computed step) keeps a stream alive, and a stream that
 //! sends bad requests over and over is closed.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,6 +24,7 @@ use tokio::time::Instant;
 use crate::admission::{BudgetFull, CacheBudget, Quota, Refusal, Reservation, Slot};
 use crate::compute::{CacheLease, ComputeCore};
 use crate::error::ComputeError;
+use crate::metrics::{ServerMetrics, StepKind};
 use crate::push::{Inbox, PushInboxes, PushLink, Pushed};
 
 /// Bad requests in a row after which a stream is closed.
@@ -58,6 +60,7 @@ pub(crate) struct SessionContext {
     pub pushes: Arc<PushInboxes>,
     /// Opens push streams to the next servers of clients' routes.
     pub control: libp2p_stream::Control,
+    pub metrics: ServerMetrics,
 }
 
 impl SessionContext {
@@ -84,6 +87,8 @@ impl SessionContext {
 
 struct Session {
     cache: CacheLease,
+    /// The blocks this session runs.
+    layers: Range<usize>,
     /// Positions the cache holds.
     len: usize,
     dtype: WireDType,
@@ -111,6 +116,8 @@ struct SessionStream {
     stream: Stream,
     reader: FrameReader,
     flow: Option<FlowSender>,
+    /// Counts the error frames sent.
+    metrics: ServerMetrics,
 }
 
 impl SessionStream {
@@ -120,6 +127,7 @@ impl SessionStream {
             Ok(frame) => frame,
             Err((code, message)) => {
                 tracing::debug!(?code, %message, "refusing a request");
+                self.metrics.error_sent(code);
                 Response::error(code, message).encode()
             }
         };
@@ -182,8 +190,12 @@ pub(crate) async fn serve(
         stream,
         reader: FrameReader::new(ctx.limits.max_frame_bytes()),
         flow: None,
+        metrics: ctx.metrics.clone(),
     };
     let mut session: Option<Session> = None;
+    // Ended without the client's Close or end of stream: a client that
+    // still wants it reopens and replays (see `ServerMetrics::session_opened`).
+    let mut cut_short = false;
     let mut shutdown = ctx.shutdown.clone();
     let mut control = ctx.control.clone();
     let mut idle_until = Instant::now() + ctx.idle_timeout;
@@ -215,6 +227,7 @@ pub(crate) async fn serve(
                     ctx.idle_timeout
                 );
                 io.send(Err((ErrorCode::Timeout, msg)), deadline).await;
+                cut_short = true;
                 break;
             }
             Incoming::ShuttingDown => {
@@ -224,8 +237,11 @@ pub(crate) async fn serve(
                 break;
             }
             Incoming::Broken(why) => {
-                if let Some(why) = why {
-                    io.send(Err((ErrorCode::TooLong, why)), deadline).await;
+                match why {
+                    Some(why) => {
+                        io.send(Err((ErrorCode::TooLong, why)), deadline).await;
+                    }
+                    None => cut_short = true,
                 }
                 break;
             }
@@ -238,6 +254,7 @@ pub(crate) async fn serve(
                 &mut control,
                 &pushed.header,
                 &pushed.hidden.view(),
+                true,
             )
             .await;
             session = s;
@@ -277,7 +294,7 @@ pub(crate) async fn serve(
                 },
                 Ok(Request::Step { header, hidden }) => {
                     let (s, reply) =
-                        run_step(&ctx, session.take(), &mut control, &header, &hidden).await;
+                        run_step(&ctx, session.take(), &mut control, &header, &hidden, false).await;
                     session = s;
                     reply
                 }
@@ -304,8 +321,12 @@ pub(crate) async fn serve(
         };
         if !io.send(reply, deadline).await {
             tracing::debug!(%peer, "a reply could not be sent in time; session closed");
+            cut_short = true;
             break;
         }
+    }
+    if let Some(s) = session.as_ref().filter(|_| cut_short) {
+        ctx.metrics.session_cut_short(peer, s.layers.clone());
     }
     // Free the cache, the slots and the span (a moving server waits for
     // them) before waiting for the stream to close.
@@ -399,8 +420,10 @@ async fn open_session(
         .open(start..end, max_length)
         .await
         .map_err(|e| (ErrorCode::TooLong, e.to_string()))?;
+    ctx.metrics.session_opened(peer, start..end);
     Ok(Session {
         cache,
+        layers: start..end,
         len: 0,
         dtype: open.dtype,
         compression: open.compression,
@@ -412,15 +435,16 @@ async fn open_session(
     })
 }
 
-/// Runs one step of the client's or one pushed to this session; pushes the
-/// output on when the step names a next session (critical path first),
-/// then answers the client.
+/// Runs one step of the client's or one pushed to this session
+/// (`pushed_in`); pushes the output on when the step names a next session
+/// (critical path first), then answers the client.
 async fn run_step(
     ctx: &SessionContext,
     session: Option<Session>,
     control: &mut libp2p_stream::Control,
     header: &StepHeader,
     hidden: &TensorView<'_>,
+    pushed_in: bool,
 ) -> (Option<Session>, Reply) {
     let Some(s) = session else {
         return (
@@ -431,13 +455,25 @@ async fn run_step(
             ),
         );
     };
+    let arrived = Instant::now();
     let (mut s, out) = step(ctx, s, header.start_position as usize, hidden).await;
     let out = match out {
         Ok(out) => out,
         Err(e) => return (s, Err(e)),
     };
+    // A computed step passed `check_step`: its shape is [1, T, hidden].
+    let positions = hidden.shape.get(1).copied().unwrap_or(0);
+    ctx.metrics.step_served(
+        StepKind::of(pushed_in, positions),
+        positions,
+        arrived.elapsed(),
+    );
     let pushed = match &mut s {
-        Some(s) if !header.push.is_empty() => s.push_link.push(control, header, &out).await,
+        Some(s) if !header.push.is_empty() => {
+            let pushed = s.push_link.push(control, header, &out).await;
+            ctx.metrics.push_sent(pushed);
+            pushed
+        }
         _ => false,
     };
     let frame = Response::StepOut {

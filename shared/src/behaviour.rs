@@ -2,7 +2,8 @@
 //! own protocol name, identify, ping, raw streams for sessions, and the
 //! limits that keep one peer from taking a node's connections: counts per
 //! peer and in total, a memory ceiling (native nodes), and an optional list
-//! of the only peers allowed (a private swarm).
+//! of the only peers allowed (a private swarm). Native nodes add the
+//! reachability parts of [`crate::reach`].
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -22,6 +23,13 @@ pub type MemoryLimit = libp2p::memory_connection_limits::Behaviour;
 #[cfg(not(feature = "native"))]
 pub type MemoryLimit = libp2p::swarm::dummy::Behaviour;
 
+/// Relays, hole punching, AutoNAT and UPnP (native nodes).
+#[cfg(feature = "native")]
+pub type Reach = crate::reach::Reach;
+/// Browsers dial public servers only: nothing to reach them through.
+#[cfg(not(feature = "native"))]
+pub type Reach = libp2p::swarm::dummy::Behaviour;
+
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
     pub allowed: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
@@ -31,6 +39,7 @@ pub struct Behaviour {
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
     pub stream: libp2p_stream::Behaviour,
+    pub reach: Toggle<Reach>,
 }
 
 /// How many connections a node takes, and from whom.
@@ -81,7 +90,12 @@ impl NetworkLimits {
 impl Behaviour {
     /// `update_period` is how often servers re-announce; provider entries
     /// live for two periods, so a dead server vanishes by itself.
-    pub fn new(key: &Keypair, update_period: Duration, limits: &NetworkLimits) -> Self {
+    pub fn new(
+        key: &Keypair,
+        update_period: Duration,
+        limits: &NetworkLimits,
+        reach: Option<Reach>,
+    ) -> Self {
         let peer_id = key.public().to_peer_id();
         let mut config = kad::Config::new(KADEMLIA_PROTOCOL);
         config
@@ -113,6 +127,7 @@ impl Behaviour {
             )),
             ping: ping::Behaviour::default(),
             stream: libp2p_stream::Behaviour::new(),
+            reach: reach.into(),
         }
     }
 }

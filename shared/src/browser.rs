@@ -43,7 +43,7 @@ pub fn build_browser_swarm(
                     .timeout(Duration::from_secs(20)),
             )
         })?
-        .with_behaviour(|key| Behaviour::new(key, update_period, &NetworkLimits::client()))?
+        .with_behaviour(|key| Behaviour::new(key, update_period, &NetworkLimits::client(), None))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(120)))
         .build();
     Ok(swarm)

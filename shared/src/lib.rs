@@ -18,10 +18,13 @@ pub mod native;
 pub mod node;
 pub mod peers;
 pub mod protocol;
+#[cfg(feature = "native")]
+pub mod reach;
 pub mod record;
 pub mod session;
+pub mod swarm_report;
 pub mod tensor;
 
 pub use limits::Limits;
-pub use record::ServerRecord;
+pub use record::{Reachability, ServerRecord};
 pub use tensor::{Compression, TensorCodecError, TensorPayload, TensorView, WireDType};

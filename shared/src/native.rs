@@ -1,20 +1,30 @@
 //! Building a native node's swarm: TCP and QUIC with noise and yamux between
-//! native peers, plus WebSocket and WebRTC-direct so that browsers can dial
-//! servers.
+//! native peers, WebSocket and WebRTC-direct so that browsers can dial
+//! servers, circuit relay for peers behind NATs (see [`crate::reach`]), and
+//! byte counters per transport for the server's metrics.
 
 use std::time::Duration;
 
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::core::transport::Boxed;
 use libp2p::core::upgrade::Version;
 use libp2p::core::Transport;
 use libp2p::identity::Keypair;
-use libp2p::{noise, tcp, yamux, Swarm};
+use libp2p::{noise, tcp, yamux, PeerId, Swarm};
 
 use crate::behaviour::{Behaviour, NetworkLimits};
+use crate::reach::{Reach, ReachSettings};
 
+pub use libp2p::metrics::{Metrics as Libp2pMetrics, Registry as MetricsRegistry};
 pub use libp2p::websocket::tls::Config as WebSocketTls;
 pub use libp2p_webrtc::tokio::Certificate as WebRtcCertificate;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A TCP connection (with its noise and yamux handshakes) not up after this
+/// long is given up: a peer behind a NAT that drops unsolicited packets
+/// never refuses, and the kernel would retry its SYN for two minutes.
+pub const TCP_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a server's swarm needs beyond a client's.
 pub struct ServerTransports {
@@ -24,27 +34,29 @@ pub struct ServerTransports {
 }
 
 /// A swarm for a server (TCP, QUIC, WebSocket with optional TLS,
-/// WebRTC-direct) or, without `server`, a native client (TCP).
+/// WebRTC-direct) or, without `server`, a native client (TCP); both dial
+/// through relays. Byte counts per transport go to `metrics` when given.
 pub async fn build_swarm(
     keypair: Keypair,
     update_period: Duration,
     limits: &NetworkLimits,
     server: Option<ServerTransports>,
+    reach: &ReachSettings,
+    metrics: Option<&mut MetricsRegistry>,
 ) -> Result<Swarm<Behaviour>, BoxError> {
     // Both rustls back-ends are in the dependency graph (QUIC and WebRTC
     // pull in one each); without a process-wide choice, the first TLS or
     // DTLS handshake panics. Installing twice is harmless.
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
-    let builder = libp2p::SwarmBuilder::with_existing_identity(keypair)
-        .with_tokio()
-        .with_tcp(
-            tcp::Config::default().nodelay(true),
-            noise::Config::new,
-            yamux::Config::default,
-        )?;
+    let mut unused = MetricsRegistry::default();
+    let metrics = metrics.unwrap_or(&mut unused);
     let swarm_config =
         |c: libp2p::swarm::Config| c.with_idle_connection_timeout(Duration::from_secs(120));
-    let behaviour = |key: &Keypair| Behaviour::new(key, update_period, limits);
+    let behaviour = |key: &Keypair, relay_client| {
+        let reach = Reach::new(key.public().to_peer_id(), relay_client, reach);
+        Behaviour::new(key, update_period, limits, Some(reach))
+    };
+    let builder = libp2p::SwarmBuilder::with_existing_identity(keypair).with_tokio();
     let swarm = match server {
         Some(server) => builder
             .with_quic_config(|mut c| {
@@ -52,6 +64,7 @@ pub async fn build_swarm(
                 c.handshake_timeout = Duration::from_secs(3);
                 c
             })
+            .with_other_transport(tcp_transport)?
             .with_other_transport(|key| {
                 Ok::<_, BoxError>(libp2p_webrtc::tokio::Transport::new(
                     key.clone(),
@@ -72,18 +85,37 @@ pub async fn build_swarm(
                 )
             })?
             .with_dns()?
+            .with_relay_client(noise::Config::new, yamux::Config::default)?
+            .with_bandwidth_metrics(metrics)
             .with_behaviour(behaviour)?
             .with_swarm_config(swarm_config)
             .build(),
         // Native clients dial over TCP only: a dead server's TCP port refuses
         // at once, where QUIC would wait out a handshake timeout.
         None => builder
+            .with_other_transport(tcp_transport)?
             .with_dns()?
+            .with_relay_client(noise::Config::new, yamux::Config::default)?
+            .with_bandwidth_metrics(metrics)
             .with_behaviour(behaviour)?
             .with_swarm_config(swarm_config)
             .build(),
     };
     Ok(swarm)
+}
+
+/// TCP with noise and yamux, bounded by [`TCP_DIAL_TIMEOUT`]. Dials reuse
+/// the listening port, which is what lets a TCP hole punch through a NAT.
+fn tcp_transport(key: &Keypair) -> Result<Boxed<(PeerId, StreamMuxerBox)>, BoxError> {
+    Ok(
+        tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+            .upgrade(Version::V1Lazy)
+            .authenticate(noise::Config::new(key)?)
+            .multiplex(yamux::Config::default())
+            .timeout(TCP_DIAL_TIMEOUT)
+            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+            .boxed(),
+    )
 }
 
 /// A fresh WebRTC certificate.

@@ -29,7 +29,7 @@ use web_time::Instant;
 
 use crate::behaviour::{Behaviour, BehaviourEvent};
 use crate::protocol::model_dht_key;
-use crate::record::{RecordError, ServerRecord};
+use crate::record::{Reachability, RecordError, ServerRecord};
 
 /// The DHT key holding one server's record.
 pub fn server_dht_key(peer: &PeerId) -> RecordKey {
@@ -54,6 +54,27 @@ pub enum NodeError {
     Timeout(Duration),
     #[error("cannot connect to {peer}: {error}")]
     Dial { peer: PeerId, error: String },
+}
+
+/// How this node is connected to a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// A connection of its own: straight, or through a hole punched in NATs.
+    Direct,
+    /// Through a relay: the peer is behind a NAT and no hole could be punched.
+    Relayed,
+}
+
+/// What a node knows of its own reachability (servers test it; clients
+/// and browsers stay `Unknown`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReachReport {
+    pub reachability: Reachability,
+    /// Relays this node holds a slot on.
+    pub relays: Vec<PeerId>,
+    /// Relayed connections this node carries for others, open now.
+    pub relay_circuits: usize,
 }
 
 /// The live fields of a server's record (sessions, free cache), read at
@@ -93,6 +114,11 @@ enum Command {
     Leave(oneshot::Sender<()>),
     Bootstrap,
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    PeerRtts(oneshot::Sender<HashMap<PeerId, Duration>>),
+    Reach(oneshot::Sender<ReachReport>),
+    /// Connects to a peer (if not connected) and, when only a relayed
+    /// connection is up, waits a while for a hole punch.
+    PreferDirect(PeerId, Duration, oneshot::Sender<Result<Via, NodeError>>),
     /// Answered when the connection is up or the dial has failed.
     Dial(
         PeerId,
@@ -133,6 +159,22 @@ pub fn with_host(addr: &Multiaddr, host: &str) -> Multiaddr {
         .collect()
 }
 
+/// Whether `addr` goes through a relay.
+fn is_relayed(addr: &Multiaddr) -> bool {
+    addr.iter()
+        .any(|p| p == libp2p::multiaddr::Protocol::P2pCircuit)
+}
+
+#[cfg(feature = "native")]
+fn hole_punch_enabled(reach: &crate::behaviour::Reach) -> bool {
+    reach.dcutr.is_enabled()
+}
+
+#[cfg(not(feature = "native"))]
+fn hole_punch_enabled(_reach: &crate::behaviour::Reach) -> bool {
+    false
+}
+
 /// Cheap to clone; the loop stops when every handle is gone.
 #[derive(Clone)]
 pub struct NodeHandle {
@@ -149,6 +191,21 @@ struct ProviderLookup {
 
 /// How often pending lookups are checked against their deadlines.
 const LOOKUP_TICK: Duration = Duration::from_millis(100);
+
+/// A caller of [`NodeHandle::prefer_direct`] waiting for a connection or
+/// a hole punch.
+struct DirectWaiter {
+    peer: PeerId,
+    deadline: Instant,
+    reply: oneshot::Sender<Result<Via, NodeError>>,
+}
+
+/// A connection's peer and whether it goes through a relay.
+#[derive(Debug, Clone, Copy)]
+struct Connection {
+    peer: PeerId,
+    relayed: bool,
+}
 
 pub struct Node {
     swarm: Swarm<Behaviour>,
@@ -168,6 +225,16 @@ pub struct Node {
     /// When set, providers outside it are not even looked at.
     allowed_peers: Option<HashSet<PeerId>>,
     leaving: Option<(Option<QueryId>, oneshot::Sender<()>, Instant)>,
+    connections: HashMap<libp2p::swarm::ConnectionId, Connection>,
+    /// The last ping round trip to each connected peer.
+    rtts: HashMap<PeerId, Duration>,
+    direct_waiters: Vec<DirectWaiter>,
+    /// Peers a hole punch to failed: their relayed connection is what there is.
+    punch_failed: HashSet<PeerId>,
+    #[cfg(feature = "native")]
+    reach: crate::reach::ReachState,
+    #[cfg(feature = "native")]
+    metrics: Option<libp2p::metrics::Metrics>,
 }
 
 struct RecordLookup {
@@ -214,6 +281,14 @@ impl Node {
             signer: None,
             allowed_peers: None,
             leaving: None,
+            connections: HashMap::new(),
+            rtts: HashMap::new(),
+            direct_waiters: Vec::new(),
+            punch_failed: HashSet::new(),
+            #[cfg(feature = "native")]
+            reach: crate::reach::ReachState::default(),
+            #[cfg(feature = "native")]
+            metrics: None,
         };
         (node, handle, events_rx)
     }
@@ -252,6 +327,19 @@ impl Node {
 
     fn admits(&self, addr: &Multiaddr) -> bool {
         self.address_filter.as_ref().is_none_or(|f| f(addr))
+    }
+
+    /// Counts libp2p's events (connections, DHT queries, relay circuits,
+    /// hole punches) into `registry`, under `libp2p_`.
+    #[cfg(feature = "native")]
+    pub fn record_metrics(&mut self, registry: &mut libp2p::metrics::Registry) {
+        self.metrics = Some(libp2p::metrics::Metrics::new(registry));
+    }
+
+    /// Peers the owner named to enter the swarm: asked first for a relay slot.
+    #[cfg(feature = "native")]
+    pub fn prefer_relays(&mut self, peers: impl IntoIterator<Item = PeerId>) {
+        self.reach.prefer(peers);
     }
 
     pub fn swarm_mut(&mut self) -> &mut Swarm<Behaviour> {
@@ -311,6 +399,71 @@ impl Node {
         for id in settled {
             self.answer_record_lookup(id);
         }
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.direct_waiters)
+            .into_iter()
+            .partition(|w| w.deadline <= now);
+        self.direct_waiters = waiting;
+        for w in due {
+            let answer = match self.via(&w.peer) {
+                Some(via) => Ok(via),
+                None => Err(NodeError::Dial {
+                    peer: w.peer,
+                    error: "no connection came up in time".into(),
+                }),
+            };
+            let _ = w.reply.send(answer);
+        }
+    }
+
+    /// How this node is connected to `peer` now, if at all.
+    fn via(&self, peer: &PeerId) -> Option<Via> {
+        let mut kinds = self.connections.values().filter(|c| c.peer == *peer);
+        let first = kinds.next()?;
+        if !first.relayed || kinds.any(|c| !c.relayed) {
+            Some(Via::Direct)
+        } else {
+            Some(Via::Relayed)
+        }
+    }
+
+    /// Answers the waiters for `peer` that can be answered now: a direct
+    /// connection is up (relayed ones to the peer are closed, so that
+    /// streams take the direct one), or a relayed one is and no hole punch
+    /// is coming.
+    fn settle_direct_waiters(&mut self, peer: PeerId) {
+        let via = self.via(&peer);
+        let punching = self.hole_punching() && !self.punch_failed.contains(&peer);
+        let answer = match via {
+            Some(Via::Direct) => Via::Direct,
+            Some(Via::Relayed) if !punching => Via::Relayed,
+            _ => return,
+        };
+        if answer == Via::Direct {
+            let relayed: Vec<_> = self
+                .connections
+                .iter()
+                .filter(|(_, c)| c.peer == peer && c.relayed)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in relayed {
+                self.swarm.close_connection(id);
+            }
+        }
+        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.direct_waiters)
+            .into_iter()
+            .partition(|w| w.peer == peer);
+        self.direct_waiters = later;
+        for w in now {
+            let _ = w.reply.send(Ok(answer));
+        }
+    }
+
+    fn hole_punching(&self) -> bool {
+        self.swarm
+            .behaviour()
+            .reach
+            .as_ref()
+            .is_some_and(hole_punch_enabled)
     }
 
     /// Answers a record lookup with the newest valid copy found (or why none
@@ -338,6 +491,10 @@ impl Node {
         let mut record = a.record.clone();
         if let Some(live) = &a.live {
             live(&mut record);
+        }
+        #[cfg(feature = "native")]
+        {
+            record.reachability = self.reach.status;
         }
         record.addresses = self
             .swarm
@@ -486,7 +643,61 @@ impl Node {
             Command::ListenAddrs(reply) => {
                 let _ = reply.send(self.swarm.listeners().cloned().collect());
             }
+            Command::PeerRtts(reply) => {
+                let _ = reply.send(self.rtts.clone());
+            }
+            Command::Reach(reply) => {
+                let _ = reply.send(self.reach_report());
+            }
+            Command::PreferDirect(peer, wait, reply) => {
+                self.direct_waiters.push(DirectWaiter {
+                    peer,
+                    deadline: Instant::now() + wait,
+                    reply,
+                });
+                if self.via(&peer).is_some() {
+                    self.settle_direct_waiters(peer);
+                } else {
+                    let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                        .condition(
+                            libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing,
+                        )
+                        .build();
+                    if let Err(e) = self.swarm.dial(opts) {
+                        if !matches!(e, libp2p::swarm::DialError::DialPeerConditionFalse(_)) {
+                            self.fail_direct_waiters(peer, e.to_string());
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    fn fail_direct_waiters(&mut self, peer: PeerId, error: String) {
+        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.direct_waiters)
+            .into_iter()
+            .partition(|w| w.peer == peer);
+        self.direct_waiters = later;
+        for w in now {
+            let _ = w.reply.send(Err(NodeError::Dial {
+                peer,
+                error: error.clone(),
+            }));
+        }
+    }
+
+    #[cfg(feature = "native")]
+    fn reach_report(&self) -> ReachReport {
+        ReachReport {
+            reachability: self.reach.status,
+            relays: self.reach.reserved().copied().collect(),
+            relay_circuits: self.reach.circuits,
+        }
+    }
+
+    #[cfg(not(feature = "native"))]
+    fn reach_report(&self) -> ReachReport {
+        ReachReport::default()
     }
 
     /// Starts a dial whose outcome (connection up, or failed) answers `reply`.
@@ -515,6 +726,11 @@ impl Node {
     }
 
     fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        #[cfg(feature = "native")]
+        if let Some(metrics) = &self.metrics {
+            use libp2p::metrics::Recorder;
+            metrics.record(&event);
+        }
         match event {
             SwarmEvent::NewListenAddr {
                 address,
@@ -522,11 +738,16 @@ impl Node {
             } => {
                 tracing::info!(%address, "listening");
                 if let Some(public_host) = &self.advertise {
+                    let relayed = is_relayed(&address);
                     let external = match public_host {
-                        Some(host) => with_host(&address, host),
-                        None => address.clone(),
+                        Some(host) if !relayed => Some(with_host(&address, host)),
+                        // Behind a NAT the listen addresses reach nobody.
+                        None if !relayed && self.is_private() => None,
+                        _ => Some(address.clone()),
                     };
-                    self.swarm.add_external_address(external);
+                    if let Some(external) = external {
+                        self.swarm.add_external_address(external);
+                    }
                 }
                 let _ = self.events.unbounded_send(NodeEvent::Listening {
                     listener_id,
@@ -535,26 +756,59 @@ impl Node {
             }
             SwarmEvent::ListenerClosed {
                 listener_id,
-                reason: Err(e),
-                ..
+                reason,
+                addresses,
             } => {
-                let _ = self.events.unbounded_send(NodeEvent::ListenFailed {
-                    listener_id,
-                    error: e.to_string(),
-                });
+                self.on_listener_closed(&addresses);
+                if let Err(e) = reason {
+                    let _ = self.events.unbounded_send(NodeEvent::ListenFailed {
+                        listener_id,
+                        error: e.to_string(),
+                    });
+                }
             }
             SwarmEvent::ListenerError { error, .. } => {
                 tracing::warn!(%error, "listener error");
             }
-            SwarmEvent::ConnectionEstablished { connection_id, .. } => {
+            SwarmEvent::ConnectionEstablished {
+                connection_id,
+                peer_id,
+                endpoint,
+                ..
+            } => {
+                let relayed = endpoint.is_relayed();
+                self.connections.insert(
+                    connection_id,
+                    Connection {
+                        peer: peer_id,
+                        relayed,
+                    },
+                );
+                tracing::debug!(peer = %peer_id, relayed, address = %endpoint.get_remote_address(), "connected");
+                if !relayed && endpoint.is_dialer() {
+                    self.remember_dialed(peer_id, endpoint.get_remote_address().clone());
+                }
                 if let Some((_, reply)) = self.dials.remove(&connection_id) {
                     let _ = reply.send(Ok(()));
+                }
+                self.settle_direct_waiters(peer_id);
+            }
+            SwarmEvent::ConnectionClosed {
+                connection_id,
+                peer_id,
+                num_established,
+                ..
+            } => {
+                self.connections.remove(&connection_id);
+                if num_established == 0 {
+                    self.rtts.remove(&peer_id);
+                    self.punch_failed.remove(&peer_id);
                 }
             }
             SwarmEvent::OutgoingConnectionError {
                 connection_id,
                 error,
-                ..
+                peer_id,
             } => {
                 if let Some((peer, reply)) = self.dials.remove(&connection_id) {
                     let _ = reply.send(Err(NodeError::Dial {
@@ -562,12 +816,29 @@ impl Node {
                         error: error.to_string(),
                     }));
                 }
+                if let Some(peer) = peer_id {
+                    if self.via(&peer).is_none()
+                        && !self.swarm.is_connected(&peer)
+                        && self.direct_waiters.iter().any(|w| w.peer == peer)
+                    {
+                        self.fail_direct_waiters(peer, error.to_string());
+                    }
+                }
             }
+            SwarmEvent::Behaviour(BehaviourEvent::Ping(libp2p::ping::Event {
+                peer,
+                result: Ok(rtt),
+                ..
+            })) => {
+                self.rtts.insert(peer, rtt);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Reach(event)) => self.on_reach(event),
             // Only servers take part in the DHT; clients run Kademlia in
             // client mode and are never added.
             SwarmEvent::Behaviour(BehaviourEvent::Identify(
                 libp2p::identify::Event::Received { peer_id, info, .. },
             )) if info.protocols.contains(&crate::protocol::KADEMLIA_PROTOCOL) => {
+                self.offer_relay(peer_id, &info.protocols);
                 for addr in info.listen_addrs {
                     if self.admits(&addr) {
                         self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
@@ -609,6 +880,227 @@ impl Node {
                 self.on_query(id, result, step.last);
             }
             _ => {}
+        }
+    }
+
+    #[cfg(feature = "native")]
+    fn is_private(&self) -> bool {
+        self.reach.status == Reachability::Private
+    }
+
+    #[cfg(not(feature = "native"))]
+    fn is_private(&self) -> bool {
+        false
+    }
+
+    #[cfg(feature = "native")]
+    fn remember_dialed(&mut self, peer: PeerId, addr: Multiaddr) {
+        self.reach.dialed(peer, addr);
+    }
+
+    #[cfg(not(feature = "native"))]
+    fn remember_dialed(&mut self, _peer: PeerId, _addr: Multiaddr) {}
+
+    #[cfg(feature = "native")]
+    fn offer_relay(&mut self, peer: PeerId, protocols: &[libp2p::StreamProtocol]) {
+        if protocols.contains(&crate::reach::RELAY_HOP_PROTOCOL) && self.reach.offers_relay(peer) {
+            tracing::debug!(%peer, "peer offers a relay");
+            self.reserve_relays();
+        }
+    }
+
+    #[cfg(not(feature = "native"))]
+    fn offer_relay(&mut self, _peer: PeerId, _protocols: &[libp2p::StreamProtocol]) {}
+
+    /// A relay's listener closed (its connection or reservation ended):
+    /// another relay takes its place.
+    #[cfg(feature = "native")]
+    fn on_listener_closed(&mut self, addresses: &[Multiaddr]) {
+        use libp2p::multiaddr::Protocol;
+        for addr in addresses.iter().filter(|a| is_relayed(a)) {
+            let relay = addr
+                .iter()
+                .take_while(|p| *p != Protocol::P2pCircuit)
+                .filter_map(|p| match p {
+                    Protocol::P2p(peer) => Some(peer),
+                    _ => None,
+                })
+                .last();
+            if let Some(relay) = relay {
+                tracing::info!(%relay, "lost the slot on a relay");
+                self.reach.forget_relay(&relay);
+            }
+        }
+        self.reserve_relays();
+    }
+
+    #[cfg(not(feature = "native"))]
+    fn on_listener_closed(&mut self, _addresses: &[Multiaddr]) {}
+
+    /// A private server listens through relays, which announce it.
+    #[cfg(feature = "native")]
+    fn reserve_relays(&mut self) {
+        if self.advertise.is_none() {
+            return;
+        }
+        for addr in self.reach.relays_to_reserve() {
+            match self.swarm.listen_on(addr.clone()) {
+                Ok(_) => tracing::info!(relay = %addr, "asking a relay for a slot"),
+                Err(e) => {
+                    tracing::warn!(relay = %addr, error = %e, "cannot listen through a relay")
+                }
+            }
+        }
+        if self.reach.stranded() {
+            tracing::warn!(
+                "no relay offers this server a slot: clients cannot reach it until one does \
+                 (a public server started without --no-relay) or until its port is forwarded"
+            );
+        }
+    }
+
+    #[cfg(feature = "native")]
+    fn on_reach(&mut self, event: crate::reach::ReachEvent) {
+        use crate::reach::{ReachAction, ReachEvent};
+        use libp2p::{autonat, dcutr, relay, upnp};
+        let action = match event {
+            ReachEvent::Autonat(autonat::v2::client::Event {
+                tested_addr,
+                server,
+                result,
+                ..
+            }) => {
+                tracing::debug!(address = %tested_addr, %server, reachable = result.is_ok(), "AutoNAT test");
+                self.reach.tested(tested_addr, result.is_ok())
+            }
+            ReachEvent::AutonatServer(event) => {
+                tracing::debug!(client = %event.client, address = %event.tested_addr, ok = event.result.is_ok(), "tested a peer's address");
+                ReachAction::Nothing
+            }
+            ReachEvent::Upnp(upnp::Event::NewExternalAddr { external_addr, .. }) => {
+                tracing::info!(address = %external_addr, "the router mapped a port (UPnP)");
+                self.reach.mapped(external_addr)
+            }
+            ReachEvent::Upnp(upnp::Event::ExpiredExternalAddr { external_addr, .. }) => {
+                tracing::info!(address = %external_addr, "the router's port mapping expired (UPnP)");
+                self.reach.unmapped(&external_addr)
+            }
+            ReachEvent::Upnp(upnp::Event::GatewayNotFound) => {
+                tracing::debug!("no UPnP router answered");
+                ReachAction::Nothing
+            }
+            ReachEvent::Upnp(upnp::Event::NonRoutableGateway) => {
+                tracing::debug!("the UPnP router is itself behind another NAT");
+                ReachAction::Nothing
+            }
+            ReachEvent::Dcutr(event) => {
+                if let Some(metrics) = &self.metrics {
+                    use libp2p::metrics::Recorder;
+                    metrics.record(&event);
+                }
+                let dcutr::Event {
+                    remote_peer_id,
+                    result,
+                } = event;
+                match result {
+                    Ok(_) => {
+                        tracing::info!(peer = %remote_peer_id, "hole punched: direct connection");
+                        self.punch_failed.remove(&remote_peer_id);
+                    }
+                    Err(e) => {
+                        tracing::info!(peer = %remote_peer_id, error = %e, "no hole punched: the connection stays relayed");
+                        self.punch_failed.insert(remote_peer_id);
+                    }
+                }
+                self.settle_direct_waiters(remote_peer_id);
+                ReachAction::Nothing
+            }
+            ReachEvent::Relay(event) => {
+                if let Some(metrics) = &self.metrics {
+                    use libp2p::metrics::Recorder;
+                    metrics.record(&event);
+                }
+                match &event {
+                    relay::Event::CircuitReqAccepted {
+                        src_peer_id,
+                        dst_peer_id,
+                    } => {
+                        self.reach.circuits += 1;
+                        tracing::debug!(src = %src_peer_id, dst = %dst_peer_id, "relaying a circuit");
+                    }
+                    relay::Event::CircuitClosed { .. } => {
+                        self.reach.circuits = self.reach.circuits.saturating_sub(1);
+                    }
+                    relay::Event::ReservationReqAccepted {
+                        src_peer_id,
+                        renewed: false,
+                    } => {
+                        tracing::info!(peer = %src_peer_id, "gave a private peer a relay slot");
+                    }
+                    _ => {}
+                }
+                ReachAction::Nothing
+            }
+            ReachEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal: false,
+                ..
+            }) => {
+                tracing::info!(relay = %relay_peer_id, "holding a slot on a relay: reachable through it");
+                self.announce_now();
+                ReachAction::Nothing
+            }
+            ReachEvent::RelayClient(_) => ReachAction::Nothing,
+        };
+        if let ReachAction::Changed(status) = action {
+            self.on_reachability_changed(status);
+        }
+    }
+
+    #[cfg(not(feature = "native"))]
+    fn on_reach(
+        &mut self,
+        event: <crate::behaviour::Reach as libp2p::swarm::NetworkBehaviour>::ToSwarm,
+    ) {
+        match event {}
+    }
+
+    /// Tells the owner, re-announces, and (behind a NAT) stops announcing
+    /// addresses nobody reaches and listens through relays instead.
+    #[cfg(feature = "native")]
+    fn on_reachability_changed(&mut self, status: Reachability) {
+        let listening: Vec<Multiaddr> = self.swarm.listeners().cloned().collect();
+        let message = self.reach.owner_message(&listening);
+        match status {
+            Reachability::Private => tracing::warn!("{message}"),
+            _ => tracing::info!("{message}"),
+        }
+        if let Some(None) = self.advertise {
+            if status == Reachability::Private {
+                let unreachable: Vec<Multiaddr> = self
+                    .swarm
+                    .external_addresses()
+                    .filter(|a| !is_relayed(a))
+                    .filter(|a| !self.reach.confirmed().any(|c| c == *a))
+                    .cloned()
+                    .collect();
+                for addr in unreachable {
+                    self.swarm.remove_external_address(&addr);
+                }
+            } else {
+                for addr in listening.into_iter().filter(|a| !is_relayed(a)) {
+                    self.swarm.add_external_address(addr);
+                }
+            }
+        }
+        self.reserve_relays();
+        self.announce_now();
+    }
+
+    /// Publishes the record now rather than at the next period.
+    fn announce_now(&mut self) {
+        if self.announcement.is_some() {
+            self.announce();
         }
     }
 
@@ -733,6 +1225,30 @@ impl NodeHandle {
         with_timeout(timeout, rx)
             .await?
             .map_err(|_| NodeError::Stopped)?
+    }
+
+    /// The last ping round trip to each connected peer.
+    pub async fn peer_rtts(&self) -> Result<HashMap<PeerId, Duration>, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::PeerRtts(tx)).await?;
+        rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// This node's reachability, relays and relayed circuits.
+    pub async fn reach(&self) -> Result<ReachReport, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Reach(tx)).await?;
+        rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// Connects to `peer` (at the addresses its record gave) and says how:
+    /// when the only way is a relay and hole punching is on, waits up to
+    /// `wait` for a direct connection, and once one is up closes the relayed
+    /// ones, so that the streams opened next go direct.
+    pub async fn prefer_direct(&self, peer: PeerId, wait: Duration) -> Result<Via, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::PreferDirect(peer, wait, tx)).await?;
+        rx.await.map_err(|_| NodeError::Stopped)?
     }
 
     pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, NodeError> {

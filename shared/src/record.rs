@@ -53,6 +53,33 @@ pub struct ServerRecord {
     /// needs them (servers with fixed `--block-indices` do not).
     #[serde(default)]
     pub rebalances: bool,
+    /// Whether others reach this server directly (AutoNAT's verdict); a
+    /// private server is reached through the relays in its addresses.
+    #[serde(default)]
+    pub reachability: Reachability,
+}
+
+/// Whether a server answers from outside its network.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reachability {
+    /// Others reached it at an address it announces.
+    Public,
+    /// Others tried and failed: it is behind a NAT or firewall.
+    Private,
+    /// Nobody has tested it yet (or it runs no test).
+    #[default]
+    Unknown,
+}
+
+impl std::fmt::Display for Reachability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reachability::Public => "public",
+            Reachability::Private => "private",
+            Reachability::Unknown => "unknown",
+        })
+    }
 }
 
 /// A record with its signature, as stored in the DHT.

@@ -1,6 +1,7 @@
 //! The web chat in Debian's headless Chromium (driven by
 //! `tests/browser/chat.mjs`), for the browser tests and the benchmark; the
-//! servers it talks to run in a [`crate::netns::NetnsSwarm`].
+//! servers it talks to run in a [`crate::netns::NetnsSwarm`]. Also the
+//! servers' swarm monitor page (`tests/browser/monitor.mjs`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -26,16 +27,26 @@ fn browser_required() -> bool {
 
 /// Why the browser tests cannot run here, if they cannot.
 pub fn browser_missing() -> Option<String> {
-    let root = repo_root();
+    let missing = chromium_missing().or_else(|| {
+        (!web_dist().join("corolla-wasm_bg.wasm").is_file())
+            .then(|| "the web page is not built (trunk build)".into())
+    });
+    if let Some(why) = &missing {
+        assert!(!browser_required(), "browser tests required, but {why}");
+    }
+    missing
+}
+
+/// Why Chromium cannot be driven here, if it cannot (pages that need no
+/// built web chat, like the swarm monitor, need only this).
+pub fn chromium_missing() -> Option<String> {
     let missing = if !Path::new("/usr/bin/chromium").is_file() {
         Some("/usr/bin/chromium is not installed".to_string())
-    } else if !root
+    } else if !repo_root()
         .join("tests/browser/node_modules/playwright-core")
         .is_dir()
     {
         Some("tests/browser/node_modules is missing (npm ci in tests/browser)".into())
-    } else if !web_dist().join("corolla-wasm_bg.wasm").is_file() {
-        Some("the web page is not built (trunk build)".into())
     } else {
         None
     };
@@ -167,6 +178,31 @@ pub fn run_page_with(
         events,
         success: status.success(),
         stderr: stderr.join().unwrap_or_default(),
+    }
+}
+
+/// Opens a server's swarm monitor (`url`, its `/monitor`) in Chromium through
+/// `tests/browser/monitor.mjs`: waits for `servers` rows and `blocks`
+/// segments at desktop and phone widths (light and dark), then a failed
+/// refresh; screenshots `name-*.png` in the artifacts.
+pub fn run_monitor_page(url: &str, servers: usize, blocks: usize, name: &str) -> PageRun {
+    let out = Command::new("node")
+        .arg(repo_root().join("tests/browser/monitor.mjs"))
+        .args(["--url", url])
+        .args(["--servers", &servers.to_string()])
+        .args(["--blocks", &blocks.to_string()])
+        .arg("--screenshot-dir")
+        .arg(artifacts_dir())
+        .args(["--name", name])
+        .output()
+        .expect("run node (is Node.js installed?)");
+    PageRun {
+        events: String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect(),
+        success: out.status.success(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }
 

@@ -12,6 +12,7 @@ use corolla_shared::node::{Announcement, Node, NodeHandle};
 use corolla_shared::protocol::{
     ErrorCode, Request, Response, SessionToken, INFERENCE_PROTOCOL, INFO_PROTOCOL,
 };
+use corolla_shared::reach::ReachSettings;
 use corolla_shared::{Limits, ServerRecord, TensorPayload, WireDType};
 use futures::StreamExt;
 use libp2p::kad::{self, Quorum, Record, RecordKey};
@@ -75,6 +76,8 @@ pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
         key_pair,
         Duration::from_secs(60),
         &NetworkLimits::client(),
+        None,
+        &ReachSettings::client(),
         None,
     )
     .await
@@ -148,6 +151,8 @@ pub async fn lying_server(
         key.clone(),
         Duration::from_secs(1),
         &NetworkLimits::server(),
+        None,
+        &ReachSettings::client(),
         None,
     )
     .await

@@ -4,6 +4,7 @@
 pub mod browser;
 pub mod forwarder;
 pub mod hostile;
+pub mod nat;
 pub mod netns;
 pub mod page_figures;
 pub mod wan;

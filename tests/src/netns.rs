@@ -50,6 +50,14 @@ pub struct Namespace {
 impl Namespace {
     /// `None` where namespaces cannot be made (not root, no iproute2).
     pub fn create() -> Option<Namespace> {
+        let ns = Self::bare()?;
+        ns.wire();
+        Some(ns)
+    }
+
+    /// A namespace with loopback up and no link out: the caller wires it
+    /// (see [`Namespace::link`]). Its `host_ip`/`inner_ip` are unused.
+    pub fn bare() -> Option<Namespace> {
         if !ip(&["netns", "list"]) {
             return None;
         }
@@ -82,7 +90,7 @@ impl Namespace {
                 host_ip: Ipv4Addr::new(10, 202, id as u8, 1),
                 inner_ip: Ipv4Addr::new(10, 202, id as u8, 2),
             };
-            ns.wire();
+            let _ = ip(&["-n", &ns.name, "link", "set", "lo", "up"]);
             return Some(ns);
         }
         None
@@ -127,6 +135,53 @@ impl Namespace {
         assert!(ok, "could not wire the namespace {name}");
     }
 
+    /// A veth pair between this namespace (interface `here`, address
+    /// `here_cidr`) and `other` (`there`, `there_cidr`), both ends up.
+    /// Interface names are the namespaces' own, so they never clash.
+    pub fn link(
+        &self,
+        here: &str,
+        here_cidr: &str,
+        other: &Namespace,
+        there: &str,
+        there_cidr: &str,
+    ) {
+        let ok = ip(&[
+            "-n",
+            &self.name,
+            "link",
+            "add",
+            here,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            there,
+            "netns",
+            &other.name,
+        ]) && ip(&["-n", &self.name, "addr", "add", here_cidr, "dev", here])
+            && ip(&["-n", &other.name, "addr", "add", there_cidr, "dev", there])
+            && ip(&["-n", &self.name, "link", "set", here, "up"])
+            && ip(&["-n", &other.name, "link", "set", there, "up"]);
+        assert!(ok, "could not link {} and {}", self.name, other.name);
+    }
+
+    /// Runs `program args` in the namespace; panics with its output when it fails.
+    pub fn run(&self, program: &str, args: &[&str]) {
+        let out = self
+            .command(program)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+        assert!(
+            out.status.success(),
+            "{program} {} in {} failed: {}",
+            args.join(" "),
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// `program` run inside the namespace.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut cmd = Command::new("ip");
@@ -153,6 +208,59 @@ pub struct NetnsServer {
 }
 
 impl NetnsServer {
+    /// Starts `corolla-server` for blocks `start..end` of `model` in `ns`
+    /// (a new swarm, or joining `bootstrap`) and waits until it is ready.
+    /// Its addr file and log (at `rust_log`) go to `dir/<label>.*`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        ns: &Namespace,
+        dir: &Path,
+        label: &str,
+        model: &Path,
+        (start, end): (usize, usize),
+        bootstrap: Option<&str>,
+        extra: &[&str],
+        rust_log: &str,
+    ) -> NetnsServer {
+        let addr_file = dir.join(format!("{label}.json"));
+        let log = dir.join(format!("{label}.log"));
+        let mut cmd = ns.command(corolla_server_bin());
+        cmd.arg("--model")
+            .arg(model)
+            .args(["--block-indices", &format!("{start}:{end}")])
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .args(extra)
+            .env("RUST_LOG", rust_log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("server log"));
+        match bootstrap {
+            None => cmd.arg("--new-swarm"),
+            Some(addr) => cmd.args(["--initial-peers", addr]),
+        };
+        let child = cmd.spawn().expect("start corolla-server");
+        let mut server = NetnsServer {
+            child,
+            start,
+            end,
+            info: Value::Null,
+        };
+        let started = Instant::now();
+        while !addr_file.is_file() {
+            if !server.is_running() || started.elapsed() > Duration::from_secs(300) {
+                panic!(
+                    "server {label} did not start:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        server.info = serde_json::from_slice(&std::fs::read(&addr_file).expect("addr file"))
+            .expect("addr file JSON");
+        server
+    }
+
     pub fn peer_id(&self) -> &str {
         self.info["peer_id"].as_str().unwrap_or_default()
     }
@@ -213,45 +321,20 @@ impl NetnsSwarm {
     /// swarm; the others join it. `extra` goes on the command line.
     pub fn start_server(&mut self, model: &Path, start: usize, end: usize, extra: &[&str]) {
         let i = self.servers.len();
-        let addr_file = self.dir.path().join(format!("server-{i}.json"));
-        let log = self.dir.path().join(format!("server-{i}.log"));
-        let mut cmd = self.ns.command(corolla_server_bin());
-        cmd.arg("--model")
-            .arg(model)
-            .args(["--block-indices", &format!("{start}:{end}")])
-            .args(["--host", &self.inner_ip, "--port", "0"])
-            .arg("--addr-file")
-            .arg(&addr_file)
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("server log"));
-        match self.servers.first() {
-            None => cmd.arg("--new-swarm"),
-            Some(first) => cmd.args(["--initial-peers", &first.tcp_addr()]),
-        };
-        let child = cmd.spawn().expect("start corolla-server");
-        self.servers.push(NetnsServer {
-            child,
-            start,
-            end,
-            info: Value::Null,
-        });
-        let started = Instant::now();
-        while !addr_file.is_file() {
-            let server = self.servers.last_mut().expect("just pushed");
-            if !server.is_running() || started.elapsed() > Duration::from_secs(300) {
-                panic!(
-                    "server {i} did not start:\n{}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let info = serde_json::from_slice(&std::fs::read(&addr_file).expect("addr file"))
-            .expect("addr file JSON");
-        self.servers.last_mut().expect("just pushed").info = info;
+        let mut args = vec!["--host", self.inner_ip.as_str(), "--port", "0"];
+        args.extend_from_slice(extra);
+        let bootstrap = self.servers.first().map(NetnsServer::tcp_addr);
+        let server = NetnsServer::start(
+            &self.ns,
+            self.dir.path(),
+            &format!("server-{i}"),
+            model,
+            (start, end),
+            bootstrap.as_deref(),
+            &args,
+            "warn",
+        );
+        self.servers.push(server);
     }
 
     /// [`Self::start_server`] that also serves the built page over HTTP.

@@ -157,7 +157,7 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
     };
     assert_eq!(view["complete"], true, "{view}");
     assert_eq!(view["servers"].as_array().unwrap().len(), 3, "{view}");
-    assert_eq!(view["uncovered"], serde_json::json!([]));
+    assert_eq!(view["gaps"], serde_json::json!([]));
 
     // Entries live two update periods after the last announcement; the slack
     // covers the time one `corolla swarm` run takes on a loaded machine.
@@ -186,7 +186,7 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
     println!("dead server gone from the DHT after {gone_after:?}");
     assert!(gone_after <= Duration::from_secs(2 * UPDATE_PERIOD_SECS + 5));
     assert_eq!(view["complete"], false);
-    assert_eq!(view["uncovered"], serde_json::json!([[3, 4]]));
+    assert_eq!(view["gaps"], serde_json::json!([[3, 4]]));
 }
 
 /// Llama 3, Qwen2 and Mistral (tests/fixtures/families) through three

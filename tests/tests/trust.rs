@@ -747,6 +747,7 @@ async fn a_private_swarm_refuses_strangers_and_their_records() {
     let private = connect_with(
         std::slice::from_ref(&boot),
         Some(HashSet::from([a.peer_id()])),
+        &corolla_shared::reach::ReachSettings::client(),
     )
     .await
     .unwrap();

@@ -63,6 +63,8 @@ async fn four_mib_each_way_over_webrtc_direct() {
             webrtc: new_webrtc_certificate().unwrap(),
             websocket_tls: None,
         }),
+        &corolla_shared::reach::ReachSettings::client(),
+        None,
     )
     .await
     .unwrap();
