@@ -47,7 +47,7 @@ build_web
 step "tests"
 # The browser and API tests fail, rather than skip, if Chromium, the page or
 # the openai package is missing.
-COROLLA_REQUIRE_BROWSER=1 COROLLA_REQUIRE_OPENAI=1 cargo test --workspace --locked
+COROLLA_REQUIRE_BROWSER=1 COROLLA_REQUIRE_OPENAI=1 COROLLA_REQUIRE_NETNS=1 cargo test --workspace --locked
 
 step "fuzzing: each cargo-fuzz target for 30 s (when a nightly toolchain is present)"
 bash scripts/fuzz.sh --seconds 30

@@ -364,3 +364,10 @@ impl Drop for NetnsSwarm {
         }
     }
 }
+
+/// Set by the README's test command, which installs iproute2 and iptables
+/// and runs as root: then a world that cannot be built is a failure, not a
+/// skip.
+pub fn netns_required() -> bool {
+    std::env::var_os("COROLLA_REQUIRE_NETNS").is_some_and(|v| v == "1")
+}

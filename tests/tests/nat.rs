@@ -26,6 +26,10 @@ const REACHABILITY_TIMEOUT: Duration = Duration::from_secs(90);
 fn world(why: &str, nat: NatKind, bootstrap_extra: &[&str]) -> Option<NatWorld> {
     let world = NatWorld::create(nat, &nat_model(), BOOTSTRAP_BLOCKS, bootstrap_extra);
     if world.is_none() {
+        assert!(
+            !corolla_tests::netns::netns_required(),
+            "{why}: cannot create network namespaces with iptables (needs root, iproute2 and iptables)"
+        );
         eprintln!("SKIPPED {why}: cannot create network namespaces with iptables (needs root, iproute2 and iptables)");
     }
     world

@@ -16,6 +16,10 @@ const HIDDEN: u64 = 8192;
 fn world(why: &str, delay: LinkDelay) -> Option<WanWorld> {
     let world = WanWorld::create(delay);
     if world.is_none() {
+        assert!(
+            !corolla_tests::netns::netns_required(),
+            "{why}: cannot create network namespaces (needs root and iproute2)"
+        );
         eprintln!("SKIPPED {why}: cannot create network namespaces (needs root and iproute2)");
     }
     world
