@@ -1098,6 +1098,7 @@ impl Node {
     }
 
     /// Publishes the record now rather than at the next period.
+    #[cfg(feature = "native")]
     fn announce_now(&mut self) {
         if self.announcement.is_some() {
             self.announce();
