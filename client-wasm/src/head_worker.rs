@@ -62,14 +62,20 @@ fn js_message(e: &JsValue) -> String {
         .unwrap_or_else(|| format!("{e:?}"))
 }
 
-/// The worker's script: it imports this module from where the page got it.
+/// The worker's script: it imports this module's JavaScript from where the
+/// page got it, and instantiates the compiled WebAssembly module the page
+/// posts as its first message. One compilation serves both instances: the
+/// renderer holds the code once, and caches it once.
 fn worker_script() -> Result<String, String> {
     let url = MODULE_URL.with(String::clone);
     let url = serde_json::to_string(&url).map_err(|e| e.to_string())?;
     Ok(format!(
         "import init, {{ corolla_serve_head }} from {url};\n\
-         await init();\n\
-         corolla_serve_head();\n"
+         self.onmessage = async (event) => {{\n\
+           self.onmessage = null;\n\
+           await init({{ module_or_path: event.data }});\n\
+           corolla_serve_head();\n\
+         }};\n"
     ))
 }
 
@@ -119,6 +125,9 @@ impl HeadWorker {
         };
         worker.set_onmessage(Some(on_message.as_ref().unchecked_ref()));
         worker.set_onerror(Some(on_error.as_ref().unchecked_ref()));
+        worker
+            .post_message(&wasm_bindgen::module())
+            .map_err(|e| format!("cannot start the head worker: {}", js_message(&e)))?;
         let (ready, started) = oneshot::channel();
         pending.borrow_mut().insert(READY, ready);
         let handle = HeadWorker {

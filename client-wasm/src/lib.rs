@@ -13,6 +13,7 @@
 
 mod download;
 mod head_worker;
+mod heap;
 mod part;
 mod protocol;
 mod swarm;
@@ -34,6 +35,9 @@ use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 
 use head_worker::HeadWorker;
+
+#[global_allocator]
+static ALLOCATOR: heap::CountingAllocator = heap::CountingAllocator;
 use protocol::Sampling;
 
 /// Limits on what a page may ask for: the servers bound sessions too, but
@@ -205,7 +209,10 @@ impl CorollaClient {
     /// Resolves with what the page has fetched, `{downloaded_bytes,
     /// cached_bytes, rows_downloaded, rows_cached}`, and the wasm memory of
     /// the worker and of the page (`worker_memory_bytes`,
-    /// `page_memory_bytes`, and their sum `wasm_memory_bytes`).
+    /// `page_memory_bytes`, and their sum `wasm_memory_bytes`), and what
+    /// their Rust heaps hold now and held at most (`heap_bytes` and
+    /// `heap_peak_bytes` for the worker, `page_heap_bytes` and
+    /// `page_heap_peak_bytes`).
     pub fn traffic(&self) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
@@ -219,6 +226,9 @@ impl CorollaClient {
             set("worker_memory_bytes", worker)?;
             set("page_memory_bytes", page)?;
             set("wasm_memory_bytes", worker + page)?;
+            let (heap, heap_peak) = heap::heap_bytes();
+            set("page_heap_bytes", heap as f64)?;
+            set("page_heap_peak_bytes", heap_peak as f64)?;
             Ok(traffic)
         })
     }

@@ -16,6 +16,7 @@ use wasm_bindgen::prelude::*;
 use web_sys::{DedicatedWorkerGlobalScope, MessageEvent};
 
 use crate::download::{Traffic, TrafficCounter};
+use crate::heap::heap_bytes;
 use crate::protocol::{Call, Loaded, NextToken, Verified};
 use crate::{part, to_js, wasm_memory_bytes};
 
@@ -254,12 +255,17 @@ impl Host {
                     #[serde(flatten)]
                     traffic: Traffic,
                     wasm_memory_bytes: f64,
+                    heap_bytes: usize,
+                    heap_peak_bytes: usize,
                 }
                 let traffic = self.traffic.take();
                 self.traffic.set(traffic.clone());
+                let (heap_bytes, heap_peak_bytes) = heap_bytes();
                 Reply::value(&WorkerTraffic {
                     traffic,
                     wasm_memory_bytes: wasm_memory_bytes(),
+                    heap_bytes,
+                    heap_peak_bytes,
                 })
             }
         }

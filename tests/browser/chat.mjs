@@ -11,7 +11,7 @@
 //               [--measure] [--warm-rerun]
 
 import { chromium } from 'playwright-core';
-import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -67,16 +67,15 @@ async function navigate(go) {
   }
 }
 
-// The resident memory of this run's renderer processes (descendants of the browser
-// started on `profile`), in bytes: the largest peak (VmHWM) and current (VmRSS).
-function rendererMemory(profile) {
+// This run's renderer processes (descendants of the browser started on `profile`):
+// pid and /proc status fields.
+function renderers(profile) {
   const procs = new Map();
   for (const pid of readdirSync('/proc').filter((d) => /^\d+$/.test(d))) {
     try {
       const status = readFileSync(`/proc/${pid}/status`, 'utf8');
       const cmd = readFileSync(`/proc/${pid}/cmdline`, 'utf8');
-      const field = (key) => Number((status.match(new RegExp(`${key}:\\s+(\\d+)`)) ?? [0, 0])[1]);
-      procs.set(pid, { cmd, ppid: String(field('PPid')), hwm: field('VmHWM'), rss: field('VmRSS') });
+      procs.set(pid, { cmd, ppid: String(statusField(status, 'PPid')), status });
     } catch {
       // The process ended while we looked.
     }
@@ -87,14 +86,135 @@ function rendererMemory(profile) {
     }
     return false;
   };
+  return [...procs].filter(([pid, p]) => p.cmd.includes('--type=renderer') && ours(pid))
+    .map(([pid, p]) => ({ pid, status: p.status }));
+}
+
+const statusField = (status, key) => Number((status.match(new RegExp(`${key}:\\s+(\\d+)`)) ?? [0, 0])[1]);
+
+// A renderer's private resident memory in bytes: its anonymous and shared-memory pages,
+// what the page itself holds (wasm memories, JavaScript heaps, compiled code, buffers).
+// The rest of its RSS is Chromium's own binary mapped from disk (~120 MB), the same
+// pages in every Chromium process; Chrome's task manager leaves it out of a tab's
+// memory footprint too.
+const privateBytes = (status) => (statusField(status, 'RssAnon') + statusField(status, 'RssShmem')) * 1024;
+
+// The resident memory of this run's renderers, in bytes: the largest peak (VmHWM) and
+// current (VmRSS), and the private part now (see `privateBytes`).
+function rendererMemory(profile) {
   let peak = 0;
   let now = 0;
-  for (const [pid, p] of procs) {
-    if (!p.cmd.includes('--type=renderer') || !ours(pid)) continue;
-    peak = Math.max(peak, p.hwm * 1024);
-    now = Math.max(now, p.rss * 1024);
+  let privateNow = 0;
+  let largest = null;
+  for (const { pid, status } of renderers(profile)) {
+    peak = Math.max(peak, statusField(status, 'VmHWM') * 1024);
+    const rss = statusField(status, 'VmRSS') * 1024;
+    if (rss >= now) largest = pid;
+    now = Math.max(now, rss);
+    privateNow = Math.max(privateNow, privateBytes(status));
   }
-  return { renderer_peak_rss_bytes: peak, renderer_rss_bytes: now };
+  return {
+    renderer_peak_rss_bytes: peak,
+    renderer_rss_bytes: now,
+    renderer_private_bytes: privateNow,
+    renderer_breakdown: residentBreakdown(largest),
+  };
+}
+
+// The renderers' private memory sampled every 100 ms (VmHWM has no private
+// counterpart): `take()` gives its peak since the last take.
+class PrivateMemoryWatch {
+  constructor(profile) {
+    this.profile = profile;
+    this.pids = [];
+    this.scanAt = 0;
+    this.peak = 0;
+    this.started = Date.now();
+    // [ms since the watch started, MB] every 100 ms, for the figures' file.
+    this.series = [];
+    this.marks = {};
+    this.timer = setInterval(() => this.sample(), 100);
+  }
+
+  sample() {
+    if (Date.now() >= this.scanAt) {
+      this.pids = renderers(this.profile).map((r) => r.pid);
+      this.scanAt = Date.now() + 1000;
+    }
+    let now = 0;
+    let shmem = 0;
+    for (const pid of this.pids) {
+      try {
+        const status = readFileSync(`/proc/${pid}/status`, 'utf8');
+        if (privateBytes(status) > now) shmem = statusField(status, 'RssShmem') * 1024;
+        now = Math.max(now, privateBytes(status));
+      } catch {
+        this.scanAt = 0;
+      }
+    }
+    this.peak = Math.max(this.peak, now);
+    this.series.push([Date.now() - this.started, Math.round(now / 1e5) / 10, Math.round(shmem / 1e5) / 10]);
+  }
+
+  mark(name) {
+    this.marks[name] = Date.now() - this.started;
+  }
+
+  take() {
+    this.sample();
+    const peak = this.peak;
+    this.peak = 0;
+    return peak;
+  }
+
+  stop() {
+    clearInterval(this.timer);
+  }
+}
+
+// Where a process's resident memory is: anonymous, file-backed (shared code and
+// fonts, counted by RSS though no page owns them) and shared memory (from
+// /proc/PID/status), and its largest mappings (/proc/PID/smaps), in MB.
+function residentBreakdown(pid) {
+  if (!pid) return null;
+  try {
+    const status = readFileSync(`/proc/${pid}/status`, 'utf8');
+    const kb = (key) => Number((status.match(new RegExp(`${key}:\\s+(\\d+)`)) ?? [0, 0])[1]);
+    const mappings = [];
+    let current = null;
+    for (const line of readFileSync(`/proc/${pid}/smaps`, 'utf8').split('\n')) {
+      const head = line.match(/^([0-9a-f]+)-([0-9a-f]+)\s+(\S+)\s+\S+\s+\S+\s+\S+\s*(.*)$/);
+      if (head) {
+        current = {
+          name: head[4] || '[anon]',
+          size_mb: (parseInt(head[2], 16) - parseInt(head[1], 16)) / 1048576,
+          perms: head[3],
+          rss_mb: 0,
+        };
+        mappings.push(current);
+      } else if (current && line.startsWith('Rss:')) {
+        current.rss_mb = Number(line.split(/\s+/)[1]) / 1024;
+      }
+    }
+    const anonByPerms = {};
+    for (const m of mappings.filter((m) => m.name === '[anon]')) {
+      anonByPerms[m.perms] = Math.round(((anonByPerms[m.perms] ?? 0) + m.rss_mb) * 10) / 10;
+    }
+    const byName = {};
+    for (const m of mappings) byName[m.name] = (byName[m.name] ?? 0) + m.rss_mb;
+    const top = (list) => list.sort((a, b) => b.rss_mb - a.rss_mb).slice(0, 12)
+      .map((m) => ({ ...m, rss_mb: Math.round(m.rss_mb * 10) / 10, size_mb: Math.round(m.size_mb) }));
+    return {
+      anon_mb: kb('RssAnon') / 1024,
+      file_mb: kb('RssFile') / 1024,
+      shmem_mb: kb('RssShmem') / 1024,
+      anon_by_perms_mb: anonByPerms,
+      largest_mappings: top(mappings),
+      by_name: top(Object.entries(byName).map(([name, rss_mb]) => ({ name, rss_mb, size_mb: 0 }))),
+    };
+  } catch (e) {
+    return { error: String(e) };
+  }
 }
 
 const nextAnswer = (chat) => chat.evaluate((el) => new Promise((resolve) => {
@@ -162,6 +282,7 @@ async function uiCheck(page, chat) {
 }
 
 const profile = mkdtempSync(join(tmpdir(), 'corolla-chromium-'));
+const privateWatch = args.measure ? new PrivateMemoryWatch(profile) : null;
 // A fresh profile per run (Playwright wants it as the persistent context's folder).
 const context = await chromium.launchPersistentContext(profile, {
   executablePath: args.chromium,
@@ -217,7 +338,9 @@ try {
       performance.getEntriesByType('mark').map((m) => [m.name, m.startTime]))),
   });
   const loadStarted = Date.now();
+  privateWatch?.mark('navigate');
   await navigate(() => page.goto(args.url));
+  privateWatch?.mark('loaded');
 
   const chat = page.locator('corolla-chat');
   const state = await page.waitForFunction(() => {
@@ -228,6 +351,7 @@ try {
     const message = await chat.evaluate((el) => el.lastError);
     throw new Error(`the page did not get ready: ${message}`);
   }
+  privateWatch?.mark('ready');
   emit({
     event: 'ready',
     ready_ms: Date.now() - loadStarted,
@@ -295,18 +419,27 @@ try {
       emit({ event: 'error', message: outcome.detail.message });
       break;
     }
+    privateWatch?.mark(`answer ${i}`);
     emit({ event: 'answer', result: outcome.detail });
   }
   emit({ event: 'geometry', before, during: await page.evaluate(() => window.__corollaDuring ?? null) });
   await longTasks('cold');
   if (args.measure) {
-    emit({
+    const memory = {
       event: 'memory',
       ...rendererMemory(profile),
+      renderer_private_peak_bytes: privateWatch.take(),
+      renderer_private_series_mb: privateWatch.series,
+      renderer_private_marks: privateWatch.marks,
       traffic: await chat.evaluate((el) => el.client.traffic()),
-    });
+    };
+    emit(memory);
+    if (args.screenshot) {
+      writeFileSync(args.screenshot.replace(/\.png$/, '-memory.json'), JSON.stringify(memory, null, 1));
+    }
   }
   if (args['warm-rerun'] && !failed) {
+    privateWatch?.take();
     const reloaded = Date.now();
     await navigate(() => page.reload());
     await page.waitForFunction(() => document.querySelector('corolla-chat')?.state === 'ready',
@@ -333,6 +466,7 @@ try {
       result,
       traffic: await chat.evaluate((el) => el.client.traffic()),
       ...rendererMemory(profile),
+      renderer_private_peak_bytes: privateWatch?.take() ?? 0,
     });
   }
   if (args['ui-check'] && !failed) await uiCheck(page, chat);
@@ -360,6 +494,7 @@ try {
   failed = true;
   emit({ event: 'error', message: String(e && e.message ? e.message : e) });
 } finally {
+  privateWatch?.stop();
   await context.close();
   rmSync(profile, { recursive: true, force: true });
 }
