@@ -17,6 +17,7 @@ use corolla_shared::WireDType;
 
 use crate::chain::{Recovery, RemoteChain, SessionSettings};
 use crate::chat::{ChatMessage, ChatTemplate};
+use crate::draft_model::DraftModel;
 use crate::error::ClientError;
 use crate::generate::{generate_after, GenerateOutput, GenerateRequest, LocalHead, TokenHead};
 use crate::local::LocalChain;
@@ -99,6 +100,8 @@ impl ClientPart {
 pub struct Assistant {
     part: ClientPart,
     blocks: Blocks,
+    /// Proposes drafts instead of prompt lookup.
+    draft: Option<DraftModel>,
 }
 
 /// One answer: the output, how many prompt positions came from the
@@ -222,6 +225,7 @@ impl Assistant {
                 place: Place::Local(vec![span]),
                 device: Device::Cpu,
             },
+            draft: None,
         })
     }
 
@@ -254,7 +258,24 @@ impl Assistant {
         }
         let head = &part.head;
         let blocks = Blocks::swarm(node, sessions, head.config(), head.dtype(), head.device())?;
-        Ok(Assistant { part, blocks })
+        Ok(Assistant {
+            part,
+            blocks,
+            draft: None,
+        })
+    }
+
+    /// Drafts of multi-token steps come from `model` (a small model with
+    /// this one's tokenizer) instead of prompt lookup.
+    pub fn with_draft_model(mut self, model: DraftModel) -> Result<Self, ClientError> {
+        model.check_tokenizer(&self.part.tokenizer, self.part.head.config().vocab_size)?;
+        self.draft = Some(model);
+        Ok(self)
+    }
+
+    /// The draft model, where there is one.
+    pub fn draft_model(&self) -> Option<&DraftModel> {
+        self.draft.as_ref()
     }
 
     /// Gives the client part back (to join another swarm, say).
@@ -311,6 +332,9 @@ impl Assistant {
         on_token: impl FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Answer, ClientError> {
         let mut head = LocalHead::new(&self.part.head, &request.sampling)?;
+        if let (Some(model), true) = (&self.draft, request.drafts > 0) {
+            head = head.with_draft_model(model, request.max_length().max(1))?;
+        }
         self.blocks
             .answer(&mut head, conversation, request, on_token)
             .await

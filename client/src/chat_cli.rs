@@ -578,6 +578,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     let assistant = rt.block_on(open_assistant(&BlocksArgs {
         model,
         local: false,
+        draft_model: None,
         swarm: swarm_args,
     }))?;
     if args.prompt.is_none() {

@@ -19,6 +19,7 @@ use serde::Serialize;
 use crate::assistant::{Answer, Assistant, Conversation};
 use crate::chain::{Recovery, SessionSettings};
 use crate::chat::ChatMessage;
+use crate::draft_model::DraftModel;
 use crate::generate::GenerateRequest;
 use crate::models::{DEFAULT_INDEX, DEFAULT_MODEL};
 use crate::network::connect_with;
@@ -448,6 +449,9 @@ struct GenerateJson<'a> {
     suspects: Option<&'a [String]>,
     /// Steps that went down the whole route by server-to-server push.
     pushed_steps: usize,
+    /// The model that proposed the drafts (prompt lookup where absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_model: Option<&'a str>,
 }
 
 /// Which model to answer with, and where its blocks run.
@@ -458,6 +462,11 @@ pub(crate) struct BlocksArgs {
     /// Run every block in this process.
     #[arg(long, conflicts_with = "initial_peers")]
     pub local: bool,
+    /// A small model with the same tokenizer (a folder or a GGUF file),
+    /// run in this process to propose the drafts of multi-token steps
+    /// instead of prompt lookup (see --drafts).
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
     #[command(flatten)]
     pub swarm: SwarmArgs,
 }
@@ -468,6 +477,7 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
     let BlocksArgs {
         model: args,
         local,
+        draft_model,
         swarm,
     } = blocks;
     let local = *local;
@@ -488,7 +498,15 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
         }
         Assistant::swarm(&checkpoint, dtype, node, settings)?
     };
-    Ok(assistant)
+    let Some(path) = draft_model else {
+        return Ok(assistant);
+    };
+    let draft = open_checkpoint(path)?.with_quantized_weights(args.quantized);
+    let draft_dtype = args.dtype.resolve(draft.config(), &Device::Cpu);
+    let draft = DraftModel::load(&draft, draft_dtype)
+        .with_context(|| format!("cannot load the draft model {}", path.display()))?;
+    tracing::info!(draft = draft.name(), "drafts come from a local model");
+    Ok(assistant.with_draft_model(draft)?)
 }
 
 impl SwarmArgs {
@@ -591,6 +609,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             suspects: route.as_ref().map(|_| suspects.as_slice()),
             route: route.as_deref(),
             pushed_steps,
+            draft_model: assistant.draft_model().map(DraftModel::name),
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {

@@ -7,6 +7,7 @@ use corolla_model::{ClientHead, LlamaConfig, Sampler, SamplingParams, Tensor};
 use web_time::{Duration, Instant};
 
 use crate::draft::{check_verified, prompt_lookup, verify_drafts, DraftLength};
+use crate::draft_model::{DraftModel, DraftSession};
 use crate::error::ClientError;
 
 /// Runs hidden states through every decoder block of the model, in order,
@@ -56,12 +57,25 @@ pub trait TokenHead {
         context: &[u32],
         drafts: &[u32],
     ) -> impl Future<Output = Result<Vec<u32>, ClientError>>;
+
+    /// Up to `k` tokens likely to follow `context` (the tokens so far), for
+    /// the next step to check: prompt lookup unless the head has something
+    /// better (a [`DraftModel`]).
+    fn propose_drafts(
+        &mut self,
+        context: &[u32],
+        k: usize,
+    ) -> impl Future<Output = Result<Vec<u32>, ClientError>> {
+        std::future::ready(Ok(prompt_lookup(context, k).to_vec()))
+    }
 }
 
-/// A [`ClientHead`] and one answer's sampler, in this thread.
+/// A [`ClientHead`] and one answer's sampler, in this thread; drafts come
+/// from prompt lookup, or from a draft model's session.
 pub struct LocalHead<'a> {
     head: &'a ClientHead,
     sampler: Sampler,
+    draft: Option<DraftSession<'a>>,
 }
 
 impl<'a> LocalHead<'a> {
@@ -69,7 +83,20 @@ impl<'a> LocalHead<'a> {
         Ok(LocalHead {
             head,
             sampler: Sampler::new(sampling)?,
+            draft: None,
         })
+    }
+
+    /// Drafts from `model` (which must share the head's tokenizer, see
+    /// [`DraftModel::check_tokenizer`]) for an answer of up to
+    /// `max_length` positions.
+    pub fn with_draft_model(
+        mut self,
+        model: &'a DraftModel,
+        max_length: usize,
+    ) -> Result<Self, ClientError> {
+        self.draft = Some(model.session(max_length)?);
+        Ok(self)
     }
 }
 
@@ -94,6 +121,13 @@ impl TokenHead for LocalHead<'_> {
         drafts: &[u32],
     ) -> Result<Vec<u32>, ClientError> {
         verify_drafts(self.head, &mut self.sampler, hidden, context, drafts)
+    }
+
+    async fn propose_drafts(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, ClientError> {
+        match &mut self.draft {
+            Some(session) => session.propose(context, k),
+            None => Ok(prompt_lookup(context, k).to_vec()),
+        }
     }
 }
 
@@ -257,7 +291,15 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
         // Never more tokens than the answer has left, so the step fits
         // the positions the session was opened for (`max_length`).
         let room = request.max_new_tokens - generated.len() - 1;
-        drafts = prompt_lookup(&context, draft_length.get().min(room)).to_vec();
+        drafts = head
+            .propose_drafts(&context, draft_length.get().min(room))
+            .await?;
+        if drafts.len() > room {
+            return Err(ClientError::Head(format!(
+                "{} drafts proposed where {room} fit",
+                drafts.len()
+            )));
+        }
     }
     Ok(GenerateOutput {
         prompt_ids: prompt.clone(),

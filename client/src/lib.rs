@@ -14,6 +14,7 @@ pub mod assistant;
 pub mod chain;
 pub mod chat;
 pub mod draft;
+pub mod draft_model;
 mod error;
 pub mod generate;
 pub mod gguf_tokenizer;
@@ -39,6 +40,7 @@ pub use assistant::{Answer, Assistant, Blocks, Conversation};
 pub use chain::{Recovery, RemoteChain, SessionSettings};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use draft::DEFAULT_DRAFTS;
+pub use draft_model::DraftModel;
 pub use error::ClientError;
 pub use generate::{
     generate, generate_after, BlockChain, GenerateOutput, GenerateRequest, LocalHead, StopReason,

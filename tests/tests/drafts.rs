@@ -3,11 +3,16 @@
 //! real servers and on the default model, while repetitive text takes fewer
 //! chain steps than tokens.
 
-use corolla_client::{generate, GenerateOutput, GenerateRequest, LocalChain};
+use corolla_client::{
+    generate, Assistant, Conversation, DraftModel, GenerateOutput, GenerateRequest, LocalChain,
+};
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::RunningServer;
-use corolla_tests::{corolla_bin, default_model, start_server, tiny_llama, Golden};
+use corolla_tests::{
+    corolla_bin, default_model, start_server, tiny_llama, tiny_llama_fp16, Golden,
+};
 use serde_json::Value;
+use std::path::Path;
 
 /// The reference prompt that repeats itself ("it was the ... of ..."), whose
 /// greedy answer loops: drafts are accepted.
@@ -105,6 +110,108 @@ fn sampled_drafts_are_reproducible_and_top_1_sampling_is_greedy() {
     assert_eq!(out.accepted, out.drafted, "a sure draft was rejected");
 }
 
+fn answer_with_draft_model(
+    draft: &Path,
+    prompt: &[u32],
+    sampling: SamplingParams,
+) -> GenerateOutput {
+    let ck = Checkpoint::open(tiny_llama()).unwrap();
+    let draft = DraftModel::load(&Checkpoint::open(draft).unwrap(), DType::F32).unwrap();
+    let assistant = Assistant::local(&ck, DType::F32)
+        .unwrap()
+        .with_draft_model(draft)
+        .unwrap();
+    let request = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_new_tokens: NEW_TOKENS,
+        sampling,
+        stop_at_eos: false,
+        drafts: 6,
+    };
+    let answer = futures::executor::block_on(assistant.answer(
+        &mut Conversation::one_shot(),
+        &request,
+        |_| std::ops::ControlFlow::Continue(()),
+    ))
+    .unwrap();
+    answer.output
+}
+
+/// A draft model guesses text the conversation has not seen: with the
+/// model itself as its draft nearly every draft is accepted on every
+/// prompt, not only the one that repeats itself; with the same model in
+/// f16 most are; the tokens stay transformers' either way.
+#[test]
+fn a_draft_model_gives_the_reference_tokens_in_few_steps_on_any_prompt() {
+    let golden = Golden::load(&tiny_llama(), "float32");
+    for (p, prompt) in golden.prompts.iter().enumerate() {
+        let greedy = SamplingParams::greedy;
+        let itself = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, greedy());
+        let half = answer_with_draft_model(&tiny_llama_fp16(), &prompt.input_ids, greedy());
+        for (name, out) in [("itself", &itself), ("f16", &half)] {
+            eprintln!(
+                "prompt {p}, draft model {name}: {} steps for {NEW_TOKENS} tokens, {}/{} drafts accepted",
+                out.steps, out.accepted, out.drafted
+            );
+            assert_eq!(
+                out.generated_ids, prompt.generated_new_ids,
+                "prompt {p}, {name}"
+            );
+            assert_eq!(
+                out.steps + 1 + out.accepted,
+                NEW_TOKENS,
+                "prompt {p}, {name}"
+            );
+        }
+        assert!(
+            itself.accepted * 10 >= itself.drafted * 9,
+            "prompt {p}: {itself:?}"
+        );
+        assert!(itself.steps <= 8, "prompt {p}: {} steps", itself.steps);
+        assert!(half.accepted * 2 >= half.drafted, "prompt {p}: {half:?}");
+    }
+    // Sampling checks point-mass drafts the speculative way: a seed gives
+    // one answer, and drawing from the top token alone is greedy.
+    let prompt = &golden.prompts[0];
+    let sampling = |top_k, seed| SamplingParams {
+        temperature: 0.7,
+        top_k,
+        seed,
+        ..Default::default()
+    };
+    let a = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, sampling(None, 5));
+    let b = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, sampling(None, 5));
+    assert_eq!(a.generated_ids, b.generated_ids);
+    let top_1 = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, sampling(Some(1), 5));
+    assert_eq!(top_1.generated_ids, prompt.generated_new_ids);
+}
+
+/// Drafts are token ids: a model whose ids mean other tokens (the same
+/// vocabulary size, another tokenizer) or another vocabulary is refused.
+#[test]
+fn a_draft_model_with_another_tokenizer_is_refused() {
+    let ck = Checkpoint::open(tiny_llama()).unwrap();
+    let refusal = |path: &Path| {
+        let draft = DraftModel::load(&Checkpoint::open(path).unwrap(), DType::F32).unwrap();
+        match Assistant::local(&ck, DType::F32)
+            .unwrap()
+            .with_draft_model(draft)
+        {
+            Ok(_) => panic!("the draft model {} was taken", path.display()),
+            Err(e) => e.to_string(),
+        }
+    };
+    // 1024 tokens, like the tiny model, from another tokenizer.
+    let tmp = tempfile::tempdir().unwrap();
+    let other = corolla_tests::wan::write_wire_model(tmp.path(), 1);
+    let err = refusal(&other);
+    assert!(err.contains("tokenizer differs"), "{err}");
+    if let Some(smollm2) = default_model() {
+        let err = refusal(&smollm2);
+        assert!(err.contains("49152 tokens, the model 1024"), "{err}");
+    }
+}
+
 async fn start(blocks: &str, join: Option<&RunningServer>) -> RunningServer {
     let join = join.map(|first| first.tcp_addr().expect("tcp address").to_string());
     start_server(
@@ -199,6 +306,31 @@ async fn drafts_through_three_servers_give_the_same_tokens() {
     let remote = sampled(swarm()).await;
     assert_eq!(ids(&local), ids(&remote));
     assert_eq!(local["accepted"], remote["accepted"]);
+
+    // Drafts from a local draft model, on a prompt that does not repeat.
+    let plain = &golden.prompts[0];
+    let mut args = vec![
+        "generate".to_string(),
+        "--model".into(),
+        model.to_str().unwrap().into(),
+        "--json".into(),
+        "--max-new-tokens".into(),
+        "32".into(),
+        "--prompt".into(),
+        plain.prompt.clone(),
+        "--draft-model".into(),
+        tiny_llama_fp16().to_str().unwrap().into(),
+    ];
+    args.extend(swarm());
+    let drafted = corolla(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(ids(&drafted), plain.generated_new_ids);
+    assert!(drafted["draft_model"].is_string(), "{drafted}");
+    let steps = drafted["steps"].as_u64().unwrap();
+    eprintln!(
+        "through 3 servers with a draft model: {steps} steps for 32 tokens, {}/{} drafts accepted",
+        drafted["accepted"], drafted["drafted"]
+    );
+    assert!(steps < 16, "{steps} steps: {drafted}");
     drop((first, second, third));
 }
 
