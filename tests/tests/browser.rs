@@ -621,6 +621,9 @@ struct PageTargets {
     /// Whether the cold load is held to the long-task bound too (see the
     /// end of `page_of_a_70b_shape`).
     cold_tasks_bounded: bool,
+    /// The renderer's private memory (MB) after the cold answer, where the
+    /// issue's page-memory target holds for it.
+    private_memory_at_rest: Option<f64>,
 }
 
 #[test]
@@ -635,6 +638,11 @@ fn page_holds_a_70b_head_light() {
             // tasks over 50 ms (longest 56-169 ms) in 2 runs of 3; it was
             // within the bound before. Recorded in the figures, not asserted.
             cold_tasks_bounded: false,
+            // 283-293 MB measured: the two wasm memories (~200 MB, the
+            // 147 MB head among them), V8 and Blink. Its peaks while
+            // loading and answering cold are recorded, not bounded
+            // (BENCHMARKS.md says what is known of them).
+            private_memory_at_rest: Some(300.0),
         },
     );
 }
@@ -650,6 +658,7 @@ fn page_holds_a_llama_3_70b_head_within_700_mb() {
             wasm_memory: 700.0,
             system: None,
             cold_tasks_bounded: false,
+            private_memory_at_rest: None,
         },
     );
 }
@@ -686,6 +695,7 @@ fn page_holds_a_qwen2_5_72b_head() {
             wasm_memory: 900.0,
             system: Some("Be brief."),
             cold_tasks_bounded: false,
+            private_memory_at_rest: None,
         },
     );
 }
@@ -789,6 +799,15 @@ fn page_of_a_70b_shape(shape: &str, targets: PageTargets) {
     // Twice the head would be a second copy of it (a tee'd download was).
     let cold_peak = memory["renderer_peak_rss_bytes"].as_f64().unwrap_or(0.0);
     assert!(cold_peak <= 300.0 * MB + 2.0 * before_first, "{figures}");
+    if let Some(bound) = targets.private_memory_at_rest {
+        assert!(
+            figures["cold_renderer_private_mb"]
+                .as_f64()
+                .unwrap_or(f64::MAX)
+                <= bound,
+            "{figures}"
+        );
+    }
     assert!(warm_first_ms - server_prefill_ms <= 2000.0, "{figures}");
     // Warm: everything came from the Cache API (the manifest aside).
     assert_eq!(warm["traffic"]["downloaded_bytes"], 0, "{figures}");
