@@ -104,10 +104,11 @@ renderer's private memory (anonymous and shared-memory pages, sampled every 100 
 ~285 MB at rest, ~200 MB are the two wasm memories (the worker's: the 147 MB head, the tokenizer, and ~30 MB that \
 parsing the tokenizer took for a moment, as wasm memory never shrinks) and ~85 MB the two V8 isolates, the compiled \
 module (compiled once: the page posts it to the worker, 10 MB less than compiling it twice) and Blink. The peaks \
-above it come from native allocations of 50-100 MB that live under a second and are freed without a garbage \
-collection (V8's GC trace shows JS heaps of 10-20 MB): one during the head's download, two while the page answers. \
-They are there with wasm tier-up off and with eager compilation, and are not the Cache API stream (its pieces now \
-pass through one reused buffer); their owner is not found yet.\n",
+above it are V8's optimizing compiler: on a cold load TurboFan recompiles the hot wasm functions (the head's \
+matmul, SHA-256, the sampler) and its compilation takes 50-100 MB for under a second, once during the download and \
+twice while the page answers. With `--js-flags=--liftoff-only` the same cold run peaks at 282 MB (and loads at half \
+the speed); warm loads take the compiled code from Chromium's code cache and stay at their resting memory. A page \
+cannot choose its compiler tiers: smaller hot functions (a web build profile with less inlining) are the lever left.\n",
         rows_fetched.join(", ")
     ))
 }
