@@ -64,11 +64,14 @@ impl DraftModel {
         Ok(())
     }
 
-    /// One answer's drafting state, for up to `max_length` positions.
+    /// One answer's drafting state, for up to `max_length` positions (or
+    /// as many as the draft model has: past them it proposes nothing, and
+    /// the answer goes on a token a step).
     pub fn session(&self, max_length: usize) -> Result<DraftSession<'_>, ClientError> {
+        let positions = max_length.min(self.head.config().max_position_embeddings);
         Ok(DraftSession {
             model: self,
-            cache: self.blocks.new_cache(max_length)?,
+            cache: self.blocks.new_cache(positions)?,
             cached: Vec::new(),
             greedy: Sampler::new(&SamplingParams::greedy())?,
         })
