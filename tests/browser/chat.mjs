@@ -142,18 +142,15 @@ class PrivateMemoryWatch {
       this.scanAt = Date.now() + 1000;
     }
     let now = 0;
-    let shmem = 0;
     for (const pid of this.pids) {
       try {
-        const status = readFileSync(`/proc/${pid}/status`, 'utf8');
-        if (privateBytes(status) > now) shmem = statusField(status, 'RssShmem') * 1024;
-        now = Math.max(now, privateBytes(status));
+        now = Math.max(now, privateBytes(readFileSync(`/proc/${pid}/status`, 'utf8')));
       } catch {
         this.scanAt = 0;
       }
     }
     this.peak = Math.max(this.peak, now);
-    this.series.push([Date.now() - this.started, Math.round(now / 1e5) / 10, Math.round(shmem / 1e5) / 10]);
+    this.series.push([Date.now() - this.started, Math.round(now / 1e5) / 10]);
   }
 
   mark(name) {
@@ -179,7 +176,6 @@ function residentBreakdown(pid) {
   if (!pid) return null;
   try {
     const status = readFileSync(`/proc/${pid}/status`, 'utf8');
-    const kb = (key) => Number((status.match(new RegExp(`${key}:\\s+(\\d+)`)) ?? [0, 0])[1]);
     const mappings = [];
     let current = null;
     for (const line of readFileSync(`/proc/${pid}/smaps`, 'utf8').split('\n')) {
@@ -205,9 +201,9 @@ function residentBreakdown(pid) {
     const top = (list) => list.sort((a, b) => b.rss_mb - a.rss_mb).slice(0, 12)
       .map((m) => ({ ...m, rss_mb: Math.round(m.rss_mb * 10) / 10, size_mb: Math.round(m.size_mb) }));
     return {
-      anon_mb: kb('RssAnon') / 1024,
-      file_mb: kb('RssFile') / 1024,
-      shmem_mb: kb('RssShmem') / 1024,
+      anon_mb: statusField(status, 'RssAnon') / 1024,
+      file_mb: statusField(status, 'RssFile') / 1024,
+      shmem_mb: statusField(status, 'RssShmem') / 1024,
       anon_by_perms_mb: anonByPerms,
       largest_mappings: top(mappings),
       by_name: top(Object.entries(byName).map(([name, rss_mb]) => ({ name, rss_mb, size_mb: 0 }))),
