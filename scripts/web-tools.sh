@@ -64,8 +64,15 @@ web_tools() {
 # wasm-opt -Oz. trunk's own wasm-opt step is off: Debian's binaryen 108
 # breaks wasm-bindgen 0.2.108's module (its externref table), and npm's
 # binaryen 132 runs as WebAssembly under Node (~3 minutes), so its output is
-# cached by the input's digest.
-WASM_OPT_FEATURES=(--enable-reference-types --enable-bulk-memory --enable-nontrapping-float-to-int
+# cached by the input's and the flags' digest.
+#
+# A function with one caller is inlined only up to 1000 bytes: by default
+# wasm-opt inlines any such function, which made the worker's message loop
+# one 230 KB function. V8's optimizing tier recompiles a hot function whole,
+# and a function that size took 50-100 MB of the renderer for a second
+# (BENCHMARKS.md, "The page's memory").
+WASM_OPT_FLAGS=(-Oz --one-caller-inline-max-function-size 1000
+    --enable-reference-types --enable-bulk-memory --enable-nontrapping-float-to-int
     --enable-sign-ext --enable-mutable-globals --enable-simd --enable-multivalue)
 
 build_web() {
@@ -74,11 +81,11 @@ build_web() {
     [ -f "$wasm" ] || { echo "trunk built no $wasm" >&2; return 1; }
     local cache="$CARGO_TARGET_DIR/wasm-opt"
     local key
-    key=$(sha256sum "$wasm" | cut -c1-64)
+    key=$( (sha256sum "$wasm" | cut -c1-64; echo "${WASM_OPT_FLAGS[*]}") | sha256sum | cut -c1-64)
     mkdir -p "$cache"
     if [ ! -f "$cache/$key.wasm" ]; then
         echo "wasm-opt -Oz $(du -h "$wasm" | cut -f1) (about 3 minutes)"
-        web/node_modules/.bin/wasm-opt -Oz "${WASM_OPT_FEATURES[@]}" "$wasm" -o "$cache/$key.wasm.partial" || return 1
+        web/node_modules/.bin/wasm-opt "${WASM_OPT_FLAGS[@]}" "$wasm" -o "$cache/$key.wasm.partial" || return 1
         mv "$cache/$key.wasm.partial" "$cache/$key.wasm" || return 1
     fi
     cp "$cache/$key.wasm" "$wasm" || return 1
