@@ -1,17 +1,19 @@
-//! A `tokenizer.json` built from GGUF tokenizer metadata, so that GGUF
-//! models tokenize with the same `tokenizers` library as Hugging Face ones.
+//! The tokenizer GGUF tokenizer metadata describes, in the pieces of a
+//! `tokenizer.json` ([`TokenizerParts`]), so that GGUF models tokenize with
+//! the same `tokenizers` library as Hugging Face ones.
 //!
 //! Two kinds are understood, as llama.cpp names them: `gpt2` (byte-level
 //! BPE with merges; the pre-tokenizer regex comes from `tokenizer.ggml.pre`)
 //! and `llama` (SentencePiece BPE: merges follow the scores of the merged
 //! pieces, unknown bytes fall back to `<0xXX>` tokens).
 
-use std::collections::HashMap;
-
 use corolla_model::gguf::GgufTokenizer;
 use serde_json::{json, Value};
+use tokenizers::models::bpe::{Merges, Vocab};
+use tokenizers::AddedToken;
 
 use crate::error::ClientError;
+use crate::tokenizer_parts::{BpeOptions, TokenizerParts};
 
 /// Llama 3's split (`llama-bpe` in llama.cpp).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -68,70 +70,83 @@ fn bos_template(t: &GgufTokenizer, default_add_bos: bool) -> Value {
     }
 }
 
-fn added_tokens(t: &GgufTokenizer) -> Vec<Value> {
+fn added_tokens(t: &GgufTokenizer) -> Vec<AddedToken> {
     t.token_types
         .iter()
         .enumerate()
         .filter(|(_, &kind)| kind == GgufTokenizer::CONTROL || kind == GgufTokenizer::USER_DEFINED)
-        .map(|(id, &kind)| {
-            json!({
-                "id": id,
-                "content": t.tokens[id],
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": kind == GgufTokenizer::CONTROL,
-            })
+        .map(|(id, &kind)| AddedToken {
+            content: t.tokens[id].clone(),
+            single_word: false,
+            lstrip: false,
+            rstrip: false,
+            normalized: false,
+            special: kind == GgufTokenizer::CONTROL,
         })
         .collect()
 }
 
-fn vocab(t: &GgufTokenizer) -> serde_json::Map<String, Value> {
+fn vocab(t: &GgufTokenizer) -> Vocab {
     // A token that appears twice keeps its first id, as llama.cpp does.
-    let mut vocab = serde_json::Map::new();
+    let mut vocab = Vocab::default();
     for (id, token) in t.tokens.iter().enumerate() {
-        vocab.entry(token.clone()).or_insert(json!(id));
+        vocab.entry(token.clone()).or_insert(id as u32);
     }
     vocab
 }
 
-fn gpt2(t: &GgufTokenizer) -> Result<Value, ClientError> {
+/// Everything of a `tokenizer.json` but its model and added tokens.
+fn rest(
+    normalizer: Value,
+    pre_tokenizer: Value,
+    post_processor: Value,
+    decoder: Value,
+) -> serde_json::Map<String, Value> {
+    [
+        ("version", json!("1.0")),
+        ("normalizer", normalizer),
+        ("pre_tokenizer", pre_tokenizer),
+        ("post_processor", post_processor),
+        ("decoder", decoder),
+    ]
+    .into_iter()
+    .map(|(key, value)| (key.to_string(), value))
+    .collect()
+}
+
+fn gpt2(t: &GgufTokenizer) -> Result<TokenizerParts, ClientError> {
     let merges = t
         .merges
         .iter()
         .map(|m| {
             m.split_once(' ')
-                .map(|(a, b)| json!([a, b]))
+                .map(|(a, b)| (a.to_string(), b.to_string()))
                 .ok_or_else(|| ClientError::Tokenizer(format!("GGUF merge {m:?} has no space")))
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_tokens(t),
-        "normalizer": null,
-        "pre_tokenizer": gpt2_pre_tokenizer(t.pre.as_deref())?,
-        "post_processor": bos_template(t, false),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab(t), "merges": merges,
+        .collect::<Result<Merges, _>>()?;
+    let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    Ok(TokenizerParts {
+        rest: rest(
+            Value::Null,
+            gpt2_pre_tokenizer(t.pre.as_deref())?,
+            bos_template(t, false),
+            decoder,
+        ),
+        vocab: vocab(t),
+        merges,
+        options: BpeOptions {
+            fuse_unk: Some(false),
+            byte_fallback: Some(false),
+            ignore_merges: Some(false),
+            ..BpeOptions::default()
         },
-    }))
+        added: added_tokens(t),
+    })
 }
 
 /// SentencePiece BPE: a pair merges when the merged piece is in the vocab,
 /// earlier the higher that piece's score.
-fn spm_merges(t: &GgufTokenizer) -> Vec<Value> {
-    let ids: HashMap<&str, usize> = t
-        .tokens
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.as_str(), i))
-        .collect();
+fn spm_merges(t: &GgufTokenizer, vocab: &Vocab) -> Merges {
     let mut merges: Vec<(f32, usize, &str, &str)> = Vec::new();
     for (id, piece) in t.tokens.iter().enumerate() {
         if t.token_types.get(id).copied().unwrap_or(1) != 1 {
@@ -139,7 +154,7 @@ fn spm_merges(t: &GgufTokenizer) -> Vec<Value> {
         }
         for (split, _) in piece.char_indices().skip(1) {
             let (left, right) = piece.split_at(split);
-            if ids.contains_key(left) && ids.contains_key(right) {
+            if vocab.contains_key(left) && vocab.contains_key(right) {
                 let score = t.scores.get(id).copied().unwrap_or(0.0);
                 merges.push((score, id, left, right));
             }
@@ -148,11 +163,11 @@ fn spm_merges(t: &GgufTokenizer) -> Vec<Value> {
     merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     merges
         .into_iter()
-        .map(|(_, _, l, r)| json!([l, r]))
+        .map(|(_, _, l, r)| (l.to_string(), r.to_string()))
         .collect()
 }
 
-fn llama(t: &GgufTokenizer) -> Result<Value, ClientError> {
+fn llama(t: &GgufTokenizer) -> Result<TokenizerParts, ClientError> {
     let unk = t
         .unknown_token_id
         .map(|id| t.tokens[id as usize].clone())
@@ -170,35 +185,38 @@ fn llama(t: &GgufTokenizer) -> Result<Value, ClientError> {
     if t.add_space_prefix.unwrap_or(true) {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_tokens(t),
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": null,
-        "post_processor": bos_template(t, true),
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-            "vocab": vocab(t), "merges": spm_merges(t),
+    let vocab = vocab(t);
+    let merges = spm_merges(t, &vocab);
+    Ok(TokenizerParts {
+        rest: rest(
+            json!({"type": "Sequence", "normalizers": normalizers}),
+            Value::Null,
+            bos_template(t, true),
+            json!({"type": "Sequence", "decoders": decoders}),
+        ),
+        vocab,
+        merges,
+        options: BpeOptions {
+            unk_token: Some(unk),
+            fuse_unk: Some(true),
+            byte_fallback: Some(true),
+            ignore_merges: Some(false),
+            ..BpeOptions::default()
         },
-    }))
+        added: added_tokens(t),
+    })
 }
 
-/// The `tokenizer.json` equivalent of GGUF tokenizer metadata.
-pub fn tokenizer_json(t: &GgufTokenizer) -> Result<String, ClientError> {
-    let value = match t.model.as_str() {
-        "gpt2" => gpt2(t)?,
-        "llama" => llama(t)?,
-        other => {
-            return Err(ClientError::Tokenizer(format!(
-                "GGUF tokenizer model {other:?} is not supported (supported: gpt2, llama)"
-            )))
-        }
-    };
-    Ok(value.to_string())
+/// The tokenizer GGUF metadata describes, in the pieces a `tokenizer.json`
+/// would hold.
+pub fn tokenizer_parts(t: &GgufTokenizer) -> Result<TokenizerParts, ClientError> {
+    match t.model.as_str() {
+        "gpt2" => gpt2(t),
+        "llama" => llama(t),
+        other => Err(ClientError::Tokenizer(format!(
+            "GGUF tokenizer model {other:?} is not supported (supported: gpt2, llama)"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -283,11 +301,11 @@ pub(crate) mod tests {
     fn unsupported_kinds_are_named() {
         let mut t = spm(&[]);
         t.model = "bert".into();
-        let err = tokenizer_json(&t).unwrap_err().to_string();
+        let err = tokenizer_parts(&t).err().unwrap().to_string();
         assert!(err.contains("\"bert\""), "{err}");
         t.model = "gpt2".into();
         t.pre = Some("mystery".into());
-        let err = tokenizer_json(&t).unwrap_err().to_string();
+        let err = tokenizer_parts(&t).err().unwrap().to_string();
         assert!(err.contains("\"mystery\""), "{err}");
     }
 }

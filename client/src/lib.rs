@@ -24,6 +24,7 @@ pub mod spot_check;
 pub mod stop;
 pub mod swarm_view;
 pub mod text;
+pub mod tokenizer_parts;
 
 #[cfg(not(target_arch = "wasm32"))]
 pub mod api;

@@ -6,6 +6,7 @@ use corolla_model::{Checkpoint, TokenizerSource};
 use tokenizers::Tokenizer;
 
 use crate::error::ClientError;
+use crate::tokenizer_parts::TokenizerParts;
 
 /// The model's `tokenizer.json`, encoding as transformers does (special
 /// tokens such as `<s>` added by the tokenizer's own post-processor).
@@ -15,20 +16,31 @@ pub struct TextTokenizer {
 
 impl TextTokenizer {
     pub fn from_file(path: &Path) -> Result<Self, ClientError> {
-        let inner = Tokenizer::from_file(path)
+        let json = std::fs::read(path)
             .map_err(|e| ClientError::Tokenizer(format!("{}: {e}", path.display())))?;
-        Ok(TextTokenizer { inner })
+        Self::from_bytes(&json).map_err(|e| match e {
+            ClientError::Tokenizer(e) => ClientError::Tokenizer(format!("{}: {e}", path.display())),
+            other => other,
+        })
     }
 
+    /// A `tokenizer.json`. A BPE model's vocabulary and merges are read
+    /// straight into the model ([`TokenizerParts`]); other models go
+    /// through the library's reader.
     pub fn from_bytes(json: &[u8]) -> Result<Self, ClientError> {
-        let inner =
-            Tokenizer::from_bytes(json).map_err(|e| ClientError::Tokenizer(e.to_string()))?;
+        let inner = match TokenizerParts::from_json(json)? {
+            Some(parts) => parts.build()?,
+            None => {
+                Tokenizer::from_bytes(json).map_err(|e| ClientError::Tokenizer(e.to_string()))?
+            }
+        };
         Ok(TextTokenizer { inner })
     }
 
     /// The tokenizer GGUF metadata describes (see [`crate::gguf_tokenizer`]).
     pub fn from_gguf(t: &corolla_model::gguf::GgufTokenizer) -> Result<Self, ClientError> {
-        Self::from_bytes(crate::gguf_tokenizer::tokenizer_json(t)?.as_bytes())
+        let inner = crate::gguf_tokenizer::tokenizer_parts(t)?.build()?;
+        Ok(TextTokenizer { inner })
     }
 
     /// The tokenizer that belongs to `checkpoint`: its `tokenizer.json` or

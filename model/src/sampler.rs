@@ -1,7 +1,7 @@
 //! Seeded token sampling: greedy, temperature, top-k, top-p and repetition
 //! penalty, on top of candle-transformers' `LogitsProcessor`.
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::error::{ModelError, Result};
@@ -113,6 +113,10 @@ impl Sampler {
     /// and generated), penalised when `repetition_penalty != 1`.
     pub fn sample(&mut self, logits: &Tensor, context: &[u32]) -> Result<u32> {
         let logits = self.penalized(logits, context)?;
+        if self.is_greedy() {
+            // `processor` would take candle's argmax, drawing nothing.
+            return first_argmax(&logits);
+        }
         Ok(self.processor.sample(&logits)?)
     }
 
@@ -130,7 +134,7 @@ impl Sampler {
         let temperature = match &self.sampling {
             Sampling::ArgMax | Sampling::GumbelSoftmax { .. } => {
                 let mut probs = vec![0.0; logits.dim(0)?];
-                let best = logits.argmax(D::Minus1)?.to_scalar::<u32>()? as usize;
+                let best = first_argmax(&logits)? as usize;
                 if let Some(p) = probs.get_mut(best) {
                     *p = 1.0;
                 }
@@ -206,7 +210,7 @@ impl Sampler {
     ) -> Result<Option<u32>> {
         if self.is_greedy() {
             let logits = self.penalized(logits, context)?;
-            let best = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            let best = first_argmax(&logits)?;
             return Ok((best != draft).then_some(best));
         }
         let mut probs = self.probabilities(logits, context)?;
@@ -273,6 +277,26 @@ impl SplitMix64 {
     }
 }
 
+/// The index of the largest of `logits` (a vector), the first of equals,
+/// as candle's `argmax` picks it. A plain loop rather than candle's reduce:
+/// that is one 73 KB WebAssembly function (every dtype's loop in one), and
+/// V8 recompiling it once it runs hot took 48 MB of the page for a moment.
+fn first_argmax(logits: &Tensor) -> Result<u32> {
+    let logits = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let Some(&first) = logits.first() else {
+        return Err(ModelError::Candle(candle_core::Error::EmptyTensor {
+            op: "argmax",
+        }));
+    };
+    let (mut best, mut value) = (0, first);
+    for (i, &v) in logits.iter().enumerate() {
+        if value < v {
+            (best, value) = (i, v);
+        }
+    }
+    Ok(best as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,6 +321,34 @@ mod tests {
             ..Default::default()
         };
         assert!(draw(&p, 20).iter().all(|&t| t == 1));
+    }
+
+    /// The plain argmax picks what candle's does: the first of equal
+    /// maxima, index 0 when the first value is NaN, the same through f16.
+    #[test]
+    fn first_argmax_is_candles_argmax() {
+        let cases: &[&[f32]] = &[
+            &[0.5, 2.0, -1.0, 2.0, 1.9],
+            &[3.0, 3.0, 3.0],
+            &[-5.0, -4.0, f32::NEG_INFINITY, -4.0],
+            &[f32::NAN, 1.0, 2.0],
+            &[1.0, f32::NAN, 2.0, 0.5],
+            &[f32::INFINITY, 1e30, f32::INFINITY],
+            &[7.0],
+        ];
+        for values in cases {
+            let t = Tensor::new(*values, &Device::Cpu).unwrap();
+            for t in [t.clone(), t.to_dtype(DType::F16).unwrap()] {
+                let candle = t
+                    .argmax(candle_core::D::Minus1)
+                    .unwrap()
+                    .to_scalar::<u32>()
+                    .unwrap();
+                assert_eq!(first_argmax(&t).unwrap(), candle, "{values:?}");
+            }
+        }
+        let empty = Tensor::new(&[] as &[f32], &Device::Cpu).unwrap();
+        assert!(first_argmax(&empty).is_err());
     }
 
     #[test]

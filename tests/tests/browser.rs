@@ -623,9 +623,10 @@ struct PageTargets {
     cold_tasks_bounded: bool,
     /// Whether the warm run is held to it.
     warm_tasks_bounded: bool,
-    /// The renderer's private memory (MB) after the cold answer, where the
-    /// issue's page-memory target holds for it.
-    private_memory_at_rest: Option<f64>,
+    /// The renderer's private memory (MB) at its peak while the cold page
+    /// loads and answers, and after it, where the page-memory
+    /// target holds for it.
+    private_memory: Option<f64>,
 }
 
 #[test]
@@ -641,11 +642,12 @@ fn page_holds_a_70b_head_light() {
             // within the bound before. Recorded in the figures, not asserted.
             cold_tasks_bounded: false,
             warm_tasks_bounded: true,
-            // 283-293 MB measured: the two wasm memories (~200 MB, the
-            // 147 MB head among them), V8 and Blink. Its peaks while
-            // loading and answering cold are recorded, not bounded
-            // (BENCHMARKS.md says what is known of them).
-            private_memory_at_rest: Some(300.0),
+            // 258-259 MB at the cold peak and at rest: the two wasm
+            // memories (~180 MB, the 147 MB head among them), V8 and Blink.
+            // It was 331-348 MB at its peaks while V8 recompiled 50-230 KB
+            // functions (BENCHMARKS.md, "The page's memory"). The warm
+            // run's peak (270-293 MB) is recorded.
+            private_memory: Some(300.0),
         },
     );
 }
@@ -662,7 +664,7 @@ fn page_holds_a_llama_3_70b_head_within_700_mb() {
             system: None,
             cold_tasks_bounded: false,
             warm_tasks_bounded: false,
-            private_memory_at_rest: None,
+            private_memory: None,
         },
     );
 }
@@ -700,7 +702,7 @@ fn page_holds_a_qwen2_5_72b_head() {
             system: Some("Be brief."),
             cold_tasks_bounded: false,
             warm_tasks_bounded: false,
-            private_memory_at_rest: None,
+            private_memory: None,
         },
     );
 }
@@ -804,14 +806,11 @@ fn page_of_a_70b_shape(shape: &str, targets: PageTargets) {
     // Twice the head would be a second copy of it (a tee'd download was).
     let cold_peak = memory["renderer_peak_rss_bytes"].as_f64().unwrap_or(0.0);
     assert!(cold_peak <= 300.0 * MB + 2.0 * before_first, "{figures}");
-    if let Some(bound) = targets.private_memory_at_rest {
-        assert!(
-            figures["cold_renderer_private_mb"]
-                .as_f64()
-                .unwrap_or(f64::MAX)
-                <= bound,
-            "{figures}"
-        );
+    if let Some(bound) = targets.private_memory {
+        for figure in ["cold_renderer_private_peak_mb", "cold_renderer_private_mb"] {
+            let mb = figures[figure].as_f64().unwrap_or(f64::MAX);
+            assert!(mb <= bound, "{figure}: {figures}");
+        }
     }
     assert!(warm_first_ms - server_prefill_ms <= 2000.0, "{figures}");
     // Warm: everything came from the Cache API (the manifest aside).
