@@ -101,14 +101,20 @@ widget has its module (parsing, instantiating the 7 MB module), is not counted.\
 - Page memory. A renderer's RSS counts ~120 MB of Chromium's own binary (file-backed pages, the same in \
 every Chromium process; Chrome's task manager leaves them out of a tab's footprint), so the table also gives the \
 renderer's private memory (anonymous and shared-memory pages, sampled every 100 ms by the test). Of llama-2-70b's \
-~285 MB at rest, ~200 MB are the two wasm memories (the worker's: the 147 MB head, the tokenizer, and ~30 MB that \
-parsing the tokenizer took for a moment, as wasm memory never shrinks) and ~85 MB the two V8 isolates, the compiled \
-module (compiled once: the page posts it to the worker, 10 MB less than compiling it twice) and Blink. The peaks \
-above it are V8's optimizing compiler: on a cold load TurboFan recompiles the hot wasm functions (the head's \
-matmul, SHA-256, the sampler) and its compilation takes 50-100 MB for under a second, once during the download and \
-twice while the page answers. With `--js-flags=--liftoff-only` the same cold run peaks at 282 MB (and loads at half \
-the speed); warm loads take the compiled code from Chromium's code cache and stay at their resting memory. A page \
-cannot choose its compiler tiers: smaller hot functions (a web build profile with less inlining) are the lever left.\n",
+~260 MB, ~180 MB are the two wasm memories (the worker's: the 147 MB head, the tokenizer, and what building the \
+tokenizer took for a moment, as wasm memory never shrinks: 8 MB now that a BPE vocabulary and its merges are read \
+straight into the model, 30 MB through the `tokenizers` JSON reader, which holds them three times) and ~80 MB the \
+two V8 isolates, the compiled module (compiled once: the page posts it to the worker) and Blink. The cold peaks were \
+330-350 MB until the web build changed: V8's optimizing compiler recompiles a hot wasm function whole, on a \
+background thread and with memory in proportion. The worker's message loop was one 230 KB function, as wasm-opt \
+had inlined every function with one caller into it; inlining those only up to 1000 bytes brought the cold peak \
+to 295-301 MB. `--js-flags=--trace-wasm-compilation-times` then showed 48 MB of compiler memory for candle's \
+argmax (73 KB, every dtype's loop in one function) and 26 MB for the worker's call dispatch (52 KB). Greedy \
+sampling now takes a plain loop and each worker call is a function of its own: the largest recompile takes 25 MB \
+(a stream's poll on the page's thread) and the cold peak stays within a few \
+MB of the resting memory. llama-3-70b misses its 700 MB: 591 MB of it is the Q4_K head itself, ~20 MB the \
+128k-token tokenizer, ~40 MB what building that tokenizer and the allocator's slack leave in wasm memory, and \
+~110 MB the page's wasm, V8 and Blink.\n",
         rows_fetched.join(", ")
     ))
 }
