@@ -54,7 +54,7 @@ pub fn page_section(dir: &Path) -> anyhow::Result<String> {
             })
         };
         rows.push_str(&format!(
-            "| {shape} (vocab {vocab}) | {head} | {:.0} MB | {:.0} MB ({:.0} + {:.0}; worker's heap {:.0}, at most {:.0}) | {:.0} / {:.0} MB ({:.0} MB of it Chromium's binary) | {:.0} / {:.0} / {:.0} MB | {:.1} / {:.1} s | {:.2} s ({:.2} s) | {} / {} |\n",
+            "| {shape} (vocab {vocab}) | {head} | {:.0} MB | {:.0} MB ({:.0} + {:.0}; worker's heap {:.0}, at most {:.0}) | {:.0} / {:.0} MB ({:.0} MB of it Chromium's binary) | {:.0} / {:.0} MB; {:.0} / {:.0} MB | {:.1} / {:.1} s | {:.2} s ({:.2} s) | {} / {} |\n",
             f("downloaded_before_first_token_mb")?,
             f("wasm_memory_mb")?,
             f("worker_wasm_memory_mb")?,
@@ -66,6 +66,7 @@ pub fn page_section(dir: &Path) -> anyhow::Result<String> {
             f("renderer_file_backed_mb")?,
             f("cold_renderer_private_mb")?,
             f("cold_renderer_private_peak_mb")?,
+            f("warm_renderer_private_mb")?,
             f("warm_renderer_private_peak_mb")?,
             f("cold_ready_ms")? / 1000.0,
             f("warm_ready_ms")? / 1000.0,
@@ -88,7 +89,7 @@ reloads and asks again on a warm cache. Wasm memory is the head worker's plus th
 holds the libp2p node and the generate loop). Targets (issue 14): llama-2-70b <= 200 MB downloaded before the first \
 token and <= 300 MB of page memory, llama-3-70b <= 700 MB, first token <= 2 s after Send on a warm cache beyond the \
 server's compute, no task over 50 ms on the page's thread while loading or answering.\n\n\
-| shape | LM head (Q4_K) | downloaded before the 1st token | wasm memory (worker + page) | renderer RSS at rest / peak | renderer private memory: at rest / peak cold / peak warm | ready cold / warm | 1st token warm (server's prefill) | page tasks > 50 ms loading + answering, cold / warm |\n\
+| shape | LM head (Q4_K) | downloaded before the 1st token | wasm memory (worker + page) | renderer RSS at rest / peak | renderer private memory: cold at rest / peak; warm (reloaded) at rest / peak | ready cold / warm | 1st token warm (server's prefill) | page tasks > 50 ms loading + answering, cold / warm |\n\
 |---|---|---|---|---|---|---|---|---|\n\
 {rows}\n\
 - The embedding table is never downloaded: {} rows were fetched by range request for prompt and answer; on the \
@@ -112,9 +113,14 @@ to 295-301 MB. `--js-flags=--trace-wasm-compilation-times` then showed 48 MB of 
 argmax (73 KB, every dtype's loop in one function) and 26 MB for the worker's call dispatch (52 KB). Greedy \
 sampling now takes a plain loop and each worker call is a function of its own: the largest recompile takes 25 MB \
 (a stream's poll on the page's thread) and the cold peak stays within a few \
-MB of the resting memory. llama-3-70b misses its 700 MB: 591 MB of it is the Q4_K head itself, ~20 MB the \
-128k-token tokenizer, ~40 MB what building that tokenizer and the allocator's slack leave in wasm memory, and \
-~110 MB the page's wasm, V8 and Blink.\n",
+MB of the resting memory. The warm run is a reload in the same renderer: its peak also holds what is left of the \
+previous document until its isolate's memory is released (265-313 MB over several runs for llama-2-70b), and its \
+resting memory is the cold one's. llama-3-70b misses its 700 MB: 591 MB of it is the Q4_K head itself, ~20 MB the \
+128k-token tokenizer, ~40 MB the worker's wasm memory above its heap's live bytes (what building that tokenizer \
+took for a moment, 11-21 MB, and the allocator's free holes), and ~110 MB the page's wasm, V8 and Blink. Building \
+the tokenizer before the head is allocated does not win the 40 MB back: the Rust allocator in wasm (dlmalloc) grows \
+the memory by the whole of a request that no free chunk holds, so the head's 591 MB come on top of whatever was \
+free (measured: the heap's peak fell by 10 MB, the wasm memory stayed at 649 MB).\n",
         rows_fetched.join(", ")
     ))
 }
