@@ -231,7 +231,9 @@ impl NatWorld {
     pub fn client_command(&self, args: &[&str]) -> Command {
         let mut cmd = self.home2.command(corolla_bin());
         cmd.args(args)
-            .env("RUST_LOG", "warn")
+            // The node's info lines say how each server was reached
+            // (relayed, hole punched, or why not).
+            .env("RUST_LOG", "warn,corolla_shared::node=info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

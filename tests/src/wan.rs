@@ -188,10 +188,12 @@ pub struct Generation {
     pub total_seconds: f64,
     /// The command's whole run, start-up and discovery included.
     pub wall: Duration,
+    /// What the command logged (stderr), for a failing test's message.
+    pub log: String,
 }
 
 impl Generation {
-    fn parse(stdout: &[u8], wall: Duration) -> Result<Generation, String> {
+    fn parse(stdout: &[u8], stderr: &[u8], wall: Duration) -> Result<Generation, String> {
         let text = String::from_utf8_lossy(stdout);
         let line = text
             .lines()
@@ -212,6 +214,7 @@ impl Generation {
             total_seconds: json["total_seconds"].as_f64().unwrap_or(0.0),
             json,
             wall,
+            log: String::from_utf8_lossy(stderr).into_owned(),
         })
     }
 
@@ -602,7 +605,7 @@ fn finish(out: std::process::Output, wall: Duration) -> Result<Generation, Strin
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    Generation::parse(&out.stdout, wall)
+    Generation::parse(&out.stdout, &out.stderr, wall)
 }
 
 /// `corolla generate --local --json` on this host: the reference answer.

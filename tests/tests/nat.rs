@@ -163,8 +163,9 @@ fn a_home_server_is_reached_through_the_relay_then_directly() {
     assert_eq!(
         via(&direct, HOME_BLOCKS),
         "direct",
-        "no hole was punched through the two NATs\n{}",
-        world.logs()
+        "no hole was punched through the two NATs\n{}\n--- client ---\n{}",
+        world.logs(),
+        direct.log
     );
     assert!(
         world.home_log().contains("hole punched: direct connection"),
