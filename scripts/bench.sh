@@ -16,6 +16,15 @@ build_web
 shared_build
 # The default model's section needs the model (fetched once, then cached).
 "$CARGO_TARGET_DIR/debug/corolla" fetch-model >/dev/null
+# llama.cpp for the compute section: node-llama-cpp's prebuilt CPU build
+# from npm, installed once into the cache (its platform builds take ~700 MB).
+export COROLLA_LLAMACPP_DIR="${COROLLA_LLAMACPP_DIR:-$HOME/.cache/corolla/llamacpp}"
+mkdir -p "$COROLLA_LLAMACPP_DIR"
+cp bench/llamacpp/package.json bench/llamacpp/package-lock.json bench/llamacpp/decode.mjs "$COROLLA_LLAMACPP_DIR/"
+if ! cmp -s bench/llamacpp/package-lock.json "$COROLLA_LLAMACPP_DIR/node_modules/.package-lock.json.installed" 2>/dev/null; then
+    (cd "$COROLLA_LLAMACPP_DIR" && npm ci --no-audit --no-fund --ignore-scripts)
+    cp bench/llamacpp/package-lock.json "$COROLLA_LLAMACPP_DIR/node_modules/.package-lock.json.installed"
+fi
 "$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md
 # 70B-class heads in the page: the Chromium tests measure, corolla-bench writes the section.
 COROLLA_REQUIRE_BROWSER=1 cargo test -p corolla-tests --test browser page_holds_a -- --test-threads 1

@@ -6,7 +6,6 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{from_view, to_payload};
 use corolla_model::{Device, Tensor};
 use corolla_shared::node::{NodeHandle, Via};
@@ -405,13 +404,7 @@ impl RemoteChain {
             .map_err(|_| ClientError::Network(format!("bad peer id {}", hop.peer_id)))?;
         let request = OpenRequest {
             model: self.settings.model.clone(),
-            fingerprint: self
-                .settings
-                .expected_blocks
-                .as_ref()
-                .and_then(|h| h.get(hop.start..hop.end))
-                .map(span_hash)
-                .unwrap_or_default(),
+            fingerprint: self.view.span_hash(hop),
             start: hop.start as u32,
             end: hop.end as u32,
             max_length: self.settings.max_length as u32,

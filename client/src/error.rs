@@ -24,6 +24,16 @@ pub enum ClientError {
     BadRequest(String),
     #[error("no server covers blocks {}", format_ranges(.uncovered))]
     NoRoute { uncovered: Vec<(usize, usize)> },
+    /// Servers of the blocks exist, but only with the other quantization
+    /// than the servers the route already follows.
+    #[error(
+        "no server covers blocks {} with the quantization the rest of the route computes with; servers there run --quantized {others}: give every server of the model the same --quantized", format_ranges(.uncovered)
+    )]
+    MixedQuantization {
+        uncovered: Vec<(usize, usize)>,
+        /// The other servers' `--quantized` setting.
+        others: &'static str,
+    },
     /// Servers exist for the blocks, but each refused or failed.
     #[error("no server can serve blocks {}: {}", format_ranges(.uncovered), .reasons.join("; "))]
     Refused {

@@ -49,7 +49,8 @@ pub use generate::{
 };
 pub use local::LocalChain;
 pub use route::{
-    matching_servers, plan_route, plan_route_between, uncovered_blocks, Hop, RouteCosts,
+    matching_servers, plan_route, plan_route_between, uncovered_blocks, Hop, MatchingServers,
+    RouteCosts,
 };
 pub use stop::StopSequences;
 pub use swarm_view::SwarmView;

@@ -7,6 +7,8 @@ use corolla_shared::node::Via;
 use corolla_shared::ServerRecord;
 use serde::Serialize;
 
+use corolla_model::fingerprint::{keeps_quantized, weights_of};
+
 use crate::error::ClientError;
 
 /// One server in a chain and the blocks it runs for us.
@@ -172,26 +174,88 @@ pub fn plan_route_between(
     Ok(route)
 }
 
-/// Keeps the servers whose block hashes are those of the model the client
-/// expects (`expected[i]` for block `i`); with no expectation, keeps all.
+/// The servers of the model the client expects (`expected[i]`: block `i`'s
+/// hash; with no expectation, all) that compute alike, as [`matching_servers`]
+/// chose them, and those left out only for computing otherwise.
+#[derive(Debug, Default)]
+pub struct MatchingServers {
+    pub chosen: Vec<ServerRecord>,
+    /// Same weights, other quantization ([`corolla_model::fingerprint::keeps_quantized`]).
+    pub other_compute: Vec<ServerRecord>,
+}
+
+/// Keeps the servers whose weights are those of the model the client expects
+/// and, since a chain never mixes servers that compute differently (kept
+/// quantized or dequantized), follows the quantization that covers the most
+/// blocks: a client whose own choice differs uses the swarm's.
 pub fn matching_servers(
     records: Vec<ServerRecord>,
     expected: Option<&[String]>,
-) -> Vec<ServerRecord> {
-    let Some(expected) = expected else {
-        return records;
+) -> MatchingServers {
+    let records: Vec<ServerRecord> = match expected {
+        None => records,
+        Some(expected) => records
+            .into_iter()
+            .filter(|r| {
+                let ours = expected.get(r.start as usize..r.end as usize);
+                let same = ours.is_some_and(|ours| {
+                    ours.len() == r.block_hashes.len()
+                        && ours
+                            .iter()
+                            .zip(&r.block_hashes)
+                            .all(|(a, b)| weights_of(a) == weights_of(b))
+                });
+                if !same {
+                    tracing::warn!(peer = %r.peer_id, "ignoring a server with other weights under the same name");
+                }
+                same
+            })
+            .collect(),
     };
-    records
-        .into_iter()
-        .filter(|r| {
-            let ours = expected.get(r.start as usize..r.end as usize);
-            let same = ours.is_some_and(|ours| ours == r.block_hashes.as_slice());
-            if !same {
-                tracing::warn!(peer = %r.peer_id, "ignoring a server with other weights under the same name");
-            }
-            same
-        })
-        .collect()
+    let kept = |r: &ServerRecord| r.block_hashes.iter().any(|h| keeps_quantized(h));
+    let (quantized, dequantized): (Vec<_>, Vec<_>) = records.into_iter().partition(kept);
+    if quantized.is_empty() || dequantized.is_empty() {
+        let chosen = if quantized.is_empty() {
+            dequantized
+        } else {
+            quantized
+        };
+        return MatchingServers {
+            chosen,
+            other_compute: Vec::new(),
+        };
+    }
+    let covered = |servers: &[ServerRecord]| {
+        let layers = servers.iter().map(|r| r.end as usize).max().unwrap_or(0);
+        layers
+            - uncovered_blocks(servers, layers)
+                .iter()
+                .map(|(a, b)| b - a)
+                .sum::<usize>()
+    };
+    let expects_quantized = expected
+        .and_then(|e| e.first())
+        .is_some_and(|h| keeps_quantized(h));
+    let prefer_quantized = match covered(&quantized).cmp(&covered(&dequantized)) {
+        std::cmp::Ordering::Greater => true,
+        std::cmp::Ordering::Less => false,
+        std::cmp::Ordering::Equal => expects_quantized,
+    };
+    tracing::warn!(
+        kept_quantized = quantized.len(),
+        dequantized = dequantized.len(),
+        "servers of this model compute with different quantizations (--quantized); routing only through the {} ones",
+        if prefer_quantized { "kept-quantized" } else { "dequantized" }
+    );
+    let (chosen, other_compute) = if prefer_quantized {
+        (quantized, dequantized)
+    } else {
+        (dequantized, quantized)
+    };
+    MatchingServers {
+        chosen,
+        other_compute,
+    }
 }
 
 #[cfg(test)]
@@ -319,11 +383,48 @@ mod tests {
         let records = vec![record("a", 0, 4), other, record("b", 4, 8)];
         let expected: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
         let kept: Vec<String> = matching_servers(records.clone(), Some(&expected))
+            .chosen
             .into_iter()
             .map(|r| r.peer_id)
             .collect();
         assert_eq!(kept, ["a", "b"]);
-        assert_eq!(matching_servers(records, None).len(), 3);
+        assert_eq!(matching_servers(records, None).chosen.len(), 3);
+    }
+
+    fn kept_quantized(mut r: ServerRecord) -> ServerRecord {
+        for h in &mut r.block_hashes {
+            h.push_str("+q");
+        }
+        r
+    }
+
+    /// A client expecting dequantized blocks follows a swarm of kept-quantized
+    /// servers (and the other way round); a mixed swarm is never mixed in a route.
+    #[test]
+    fn clients_follow_the_swarms_quantization() {
+        let expected: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
+        let swarm = vec![
+            kept_quantized(record("a", 0, 4)),
+            kept_quantized(record("b", 4, 8)),
+        ];
+        let matched = matching_servers(swarm.clone(), Some(&expected));
+        assert_eq!(matched.chosen.len(), 2);
+        let quantized: Vec<String> = expected.iter().map(|h| format!("{h}+q")).collect();
+        let plain = vec![record("a", 0, 4), record("b", 4, 8)];
+        assert_eq!(
+            matching_servers(plain.clone(), Some(&quantized))
+                .chosen
+                .len(),
+            2
+        );
+
+        // Mixed: the quantization covering more blocks wins; the rest is set apart.
+        let mut mixed = swarm;
+        mixed.push(record("c", 0, 3));
+        let matched = matching_servers(mixed, Some(&expected));
+        let chosen: Vec<&str> = matched.chosen.iter().map(|r| r.peer_id.as_str()).collect();
+        assert_eq!(chosen, ["a", "b"]);
+        assert_eq!(matched.other_compute.len(), 1);
     }
 
     #[test]

@@ -14,6 +14,8 @@ use corolla_shared::ServerRecord;
 use libp2p::{Multiaddr, PeerId};
 use web_time::Instant;
 
+use corolla_model::fingerprint::{keeps_quantized, span_hash};
+
 use crate::chain::SessionSettings;
 use crate::error::ClientError;
 use crate::route::{
@@ -53,6 +55,8 @@ impl Filter {
 struct ViewState {
     /// Servers of the model whose weights match, as the last lookup found them.
     records: Vec<ServerRecord>,
+    /// Servers of the same weights that compute with the other quantization.
+    other_compute: Vec<ServerRecord>,
     refreshed_at: Option<Instant>,
     /// Moving averages of round trips, in seconds, by peer id.
     rtt: HashMap<String, f64>,
@@ -136,7 +140,8 @@ impl SwarmView {
                 return;
             }
         };
-        let records = matching_servers(found, filter.expected_blocks.as_deref());
+        let matched = matching_servers(found, filter.expected_blocks.as_deref());
+        let records = matched.chosen;
         let candidates: Vec<ServerRecord> = {
             let state = self.state();
             records
@@ -153,6 +158,7 @@ impl SwarmView {
         }
         tracing::debug!(servers = records.len(), "swarm view refreshed");
         state.records = records;
+        state.other_compute = matched.other_compute;
         state.refreshed_at = Some(Instant::now());
         state.refreshing = false;
     }
@@ -299,6 +305,32 @@ impl SwarmView {
         }
     }
 
+    /// What an Open names the weights of `hop` by: the span hash of the
+    /// blocks as its server announced them (its quantization included; the
+    /// weights already matched the client's), else as the client expects them.
+    pub fn span_hash(&self, hop: &Hop) -> String {
+        let state = self.state();
+        let announced = state
+            .records
+            .iter()
+            .find(|r| r.peer_id == hop.peer_id)
+            .and_then(|r| {
+                let at = hop.start.checked_sub(r.start as usize)?;
+                r.block_hashes.get(at..at + (hop.end - hop.start))
+            });
+        match announced {
+            Some(hashes) => span_hash(hashes),
+            None => self
+                .shared
+                .filter
+                .expected_blocks
+                .as_ref()
+                .and_then(|h| h.get(hop.start..hop.end))
+                .map(span_hash)
+                .unwrap_or_default(),
+        }
+    }
+
     /// Folds a measured decode step of `blocks` blocks on `peer` into its average.
     pub fn record_step(&self, peer: &str, seconds: f64, blocks: usize) {
         let per_block = seconds / blocks.max(1) as f64;
@@ -345,6 +377,25 @@ impl SwarmView {
             .collect();
         reasons.sort();
         reasons.dedup();
+        if let ClientError::NoRoute { uncovered } = &error {
+            let other_covers = uncovered_blocks(&state.other_compute, to).len() < uncovered.len()
+                || uncovered.iter().any(|&(a, _)| {
+                    state
+                        .other_compute
+                        .iter()
+                        .any(|r| (r.start..r.end).contains(&(a as u32)))
+                });
+            if other_covers {
+                let kept = state
+                    .other_compute
+                    .iter()
+                    .any(|r| r.block_hashes.iter().any(|h| keeps_quantized(h)));
+                return ClientError::MixedQuantization {
+                    uncovered: uncovered.clone(),
+                    others: if kept { "keep" } else { "dequantize" },
+                };
+            }
+        }
         match error {
             ClientError::NoRoute { uncovered } if !reasons.is_empty() => {
                 ClientError::Refused { uncovered, reasons }

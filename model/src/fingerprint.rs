@@ -60,9 +60,28 @@ fn is_layer(name: &str, layer: usize) -> bool {
 pub fn block_hashes(checkpoint: &Checkpoint, start: usize, end: usize) -> Result<Vec<String>> {
     let hashes = weight_hashes(checkpoint, start, end)?;
     if checkpoint.is_gguf() && !checkpoint.dequantizes() {
-        return Ok(hashes.into_iter().map(|h| format!("{h}+q")).collect());
+        return Ok(hashes
+            .into_iter()
+            .map(|h| format!("{h}{KEPT_QUANTIZED_MARK}"))
+            .collect());
     }
     Ok(hashes)
+}
+
+/// What a block hash carries after the weights' hash when the server keeps
+/// them quantized.
+pub const KEPT_QUANTIZED_MARK: &str = "+q";
+
+/// The weights' part of a block hash, whatever the server computes with.
+pub fn weights_of(block_hash: &str) -> &str {
+    block_hash
+        .strip_suffix(KEPT_QUANTIZED_MARK)
+        .unwrap_or(block_hash)
+}
+
+/// Whether a block hash says its server keeps the weights quantized.
+pub fn keeps_quantized(block_hash: &str) -> bool {
+    block_hash.ends_with(KEPT_QUANTIZED_MARK)
 }
 
 /// Hashes of the weights of blocks `[start, end)`, from the index when it has them.

@@ -20,6 +20,7 @@ pub mod gguf;
 pub mod gguf_writer;
 pub mod head;
 mod linear;
+mod quant;
 pub mod quantized_buffer;
 pub mod random;
 pub mod random_gguf;
@@ -35,6 +36,7 @@ pub use config::LlamaConfig;
 pub use dtype::ModelDType;
 pub use error::{ModelError, Result};
 pub use head::ClientHead;
+pub use linear::KERNELS_ENV;
 pub use sampler::{Sampler, SamplingParams};
 pub use span::{BlockSpan, SessionCache};
 

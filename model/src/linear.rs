@@ -1,11 +1,12 @@
 //! A linear layer whose weight is either dense or kept in its GGUF
-//! quantization (multiplied by candle's quantized kernels).
+//! quantization.
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::error::Result;
+use crate::quant::QuantMatrix;
 
 #[derive(Debug, Clone)]
 pub(crate) enum Linear {
@@ -20,9 +21,25 @@ pub(crate) enum Linear {
         bias: Option<Tensor>,
     },
     Quantized {
-        weight: QMatMul,
+        weight: QuantizedWeight,
         bias: Option<Tensor>,
     },
+}
+
+/// Who multiplies a quantized weight: Corolla's kernels ([`crate::quant`])
+/// for the formats they cover, candle's for the rest.
+#[derive(Debug, Clone)]
+pub(crate) enum QuantizedWeight {
+    Blocks(QuantMatrix),
+    Candle(QMatMul),
+}
+
+/// Set to `candle` to multiply every quantized weight with candle's kernels
+/// (for side-by-side benchmarks).
+pub const KERNELS_ENV: &str = "COROLLA_KERNELS";
+
+fn corolla_kernels() -> bool {
+    std::env::var(KERNELS_ENV).map_or(true, |v| v != "candle")
 }
 
 impl Linear {
@@ -33,10 +50,16 @@ impl Linear {
     }
 
     pub fn quantized(weight: QTensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Linear::Quantized {
-            weight: QMatMul::from_qtensor(weight)?,
-            bias,
-        })
+        let blocks = if corolla_kernels() {
+            QuantMatrix::from_qtensor(&weight)?
+        } else {
+            None
+        };
+        let weight = match blocks {
+            Some(matrix) => QuantizedWeight::Blocks(matrix),
+            None => QuantizedWeight::Candle(QMatMul::from_qtensor(weight)?),
+        };
+        Ok(Linear::Quantized { weight, bias })
     }
 
     /// Loads `weight` (`[out_dim, in_dim]`) and, if asked, `bias` under `w`.
@@ -53,7 +76,7 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
+        let (y, bias) = match self {
             Linear::Dense { weight, bias } => {
                 // All leading dimensions as rows of one matrix product.
                 let dims = x.dims();
@@ -64,21 +87,103 @@ impl Linear {
                 if let Some(last) = out_dims.last_mut() {
                     *last = weight.dim(0)?;
                 }
-                let y = y.reshape(out_dims)?;
-                Ok(match bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                })
+                (y.reshape(out_dims)?, bias)
             }
-            Linear::Quantized { weight, bias } => {
-                // The quantized kernels take f32 activations.
+            Linear::Quantized {
+                weight: QuantizedWeight::Blocks(matrix),
+                bias,
+            } => (matrix.forward(x)?, bias),
+            Linear::Quantized {
+                weight: QuantizedWeight::Candle(weight),
+                bias,
+            } => {
+                // Candle's quantized kernels take f32 activations.
                 let dtype = x.dtype();
                 let y = weight.forward(&x.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
-                Ok(match bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                })
+                (y, bias)
+            }
+        };
+        Ok(match bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// `N` projections of one input (Q, K and V; gate and up). Quantized ones
+/// that share a format are stacked into one matrix: one pass over the input
+/// and one dispatch to the thread pool instead of `N`.
+#[derive(Debug, Clone)]
+pub(crate) enum Projections<const N: usize> {
+    Stacked { linear: Linear, widths: [usize; N] },
+    Separate([Linear; N]),
+}
+
+impl<const N: usize> Projections<N> {
+    pub fn new(parts: [Linear; N]) -> Result<Self> {
+        let matrices: Option<Vec<&QuantMatrix>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Quantized {
+                    weight: QuantizedWeight::Blocks(m),
+                    ..
+                } => Some(m),
+                _ => None,
+            })
+            .collect();
+        let biases: Vec<Option<&Tensor>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Quantized { bias, .. } | Linear::Dense { bias, .. } => bias.as_ref(),
+            })
+            .collect();
+        let bias = if biases.iter().all(Option::is_none) {
+            Some(None)
+        } else if biases.iter().all(Option::is_some) {
+            Some(Some(Tensor::cat(
+                &biases.into_iter().flatten().collect::<Vec<_>>(),
+                0,
+            )?))
+        } else {
+            None
+        };
+        if let (Some(matrices), Some(bias)) = (matrices, bias) {
+            if let Some(stacked) = QuantMatrix::concat(&matrices) {
+                let widths = std::array::from_fn(|i| matrices[i].rows());
+                return Ok(Projections::Stacked {
+                    linear: Linear::Quantized {
+                        weight: QuantizedWeight::Blocks(stacked),
+                        bias,
+                    },
+                    widths,
+                });
             }
         }
+        Ok(Projections::Separate(parts))
+    }
+
+    /// Each projection of `x`, in the order they were given.
+    pub fn forward(&self, x: &Tensor) -> Result<[Tensor; N]> {
+        let outputs: Vec<Tensor> = match self {
+            Projections::Separate(parts) => {
+                parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?
+            }
+            Projections::Stacked { linear, widths } => {
+                let y = linear.forward(x)?;
+                let last = y.rank() - 1;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(last, at, w);
+                        at += w;
+                        part
+                    })
+                    .collect::<candle_core::Result<_>>()?
+            }
+        };
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection")))
     }
 }

@@ -10,7 +10,7 @@ use crate::checkpoint::{Checkpoint, Weights};
 use crate::config::LlamaConfig;
 use crate::decode_attention::{self, HeadShape};
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+use crate::linear::{Linear, Projections};
 use crate::rope::Rope;
 
 fn linear(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
@@ -24,9 +24,8 @@ pub(crate) fn rms_norm(w: &Weights, name: &str, cfg: &LlamaConfig) -> Result<Rms
 
 #[derive(Debug, Clone)]
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// Q, K and V.
+    qkv: Projections<3>,
     o_proj: Linear,
     num_heads: usize,
     num_kv_heads: usize,
@@ -41,9 +40,11 @@ impl Attention {
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let (qkv_bias, o_bias) = (cfg.has_qkv_bias(), cfg.attention_bias);
         Ok(Attention {
-            q_proj: linear(w, "q_proj", nh * hd, h, qkv_bias)?,
-            k_proj: linear(w, "k_proj", nkv * hd, h, qkv_bias)?,
-            v_proj: linear(w, "v_proj", nkv * hd, h, qkv_bias)?,
+            qkv: Projections::new([
+                linear(w, "q_proj", nh * hd, h, qkv_bias)?,
+                linear(w, "k_proj", nkv * hd, h, qkv_bias)?,
+                linear(w, "v_proj", nkv * hd, h, qkv_bias)?,
+            ])?,
             o_proj: linear(w, "o_proj", h, nh * hd, o_bias)?,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -62,16 +63,13 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
-            Ok(proj
-                .forward(x)?
-                .reshape((b, t, n, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
+        let [q, k, v] = self.qkv.forward(x)?;
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope.apply(&heads(&self.q_proj, nh)?, start)?;
-        let k = rope.apply(&heads(&self.k_proj, nkv)?, start)?;
-        let v = heads(&self.v_proj, nkv)?;
+        let q = rope.apply(&heads(q, nh)?, start)?;
+        let k = rope.apply(&heads(k, nkv)?, start)?;
+        let v = heads(v, nkv)?;
         let out = self.attend(&q, &k, &v, start, cache, mask)?;
         self.o_proj.forward(&out)
     }
@@ -89,16 +87,13 @@ impl Attention {
     ) -> Result<Tensor> {
         let b = starts.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
-            Ok(proj
-                .forward(x)?
-                .reshape((b, 1, n, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
+        let [q, k, v] = self.qkv.forward(x)?;
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            Ok(y.reshape((b, 1, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope.apply_rows(&heads(&self.q_proj, nh)?, rotation)?;
-        let k = rope.apply_rows(&heads(&self.k_proj, nkv)?, rotation)?;
-        let v = heads(&self.v_proj, nkv)?;
+        let q = rope.apply_rows(&heads(q, nh)?, rotation)?;
+        let k = rope.apply_rows(&heads(k, nkv)?, rotation)?;
+        let v = heads(v, nkv)?;
         if decode_attention::supported(q.dtype(), q.device()) {
             for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
                 cache.keys.slice_set(&k.narrow(0, i, 1)?, 2, start)?;
@@ -174,8 +169,8 @@ impl Attention {
 
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// Gate and up.
+    gate_up: Projections<2>,
     down_proj: Linear,
 }
 
@@ -183,15 +178,17 @@ impl Mlp {
     fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
         let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         Ok(Mlp {
-            gate_proj: linear(w, "gate_proj", i, h, bias)?,
-            up_proj: linear(w, "up_proj", i, h, bias)?,
+            gate_up: Projections::new([
+                linear(w, "gate_proj", i, h, bias)?,
+                linear(w, "up_proj", i, h, bias)?,
+            ])?,
             down_proj: linear(w, "down_proj", h, i, bias)?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gated =
-            (candle_nn::ops::silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;
+        let [gate, up] = self.gate_up.forward(x)?;
+        let gated = (candle_nn::ops::silu(&gate)? * up)?;
         self.down_proj.forward(&gated)
     }
 }

@@ -2,6 +2,7 @@
 //! outputs computed by Hugging Face transformers, and error measures.
 
 pub mod browser;
+pub mod compute_bench;
 pub mod forwarder;
 pub mod hostile;
 pub mod nat;

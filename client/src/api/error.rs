@@ -70,6 +70,10 @@ impl From<ClientError> for ApiError {
             ClientError::NoRoute { .. } | ClientError::Refused { .. } => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).with_code("no_route")
             }
+            ClientError::MixedQuantization { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                    .with_code("mixed_quantization")
+            }
             ClientError::TooLong { .. } | ClientError::SessionTooLong { .. } => {
                 ApiError::bad_request(e.to_string()).with_code("context_length_exceeded")
             }

@@ -6,6 +6,8 @@
 //! or `corolla-bench --page-figures DIR [--write FILE]` (the page tests' figures as a section),
 //! or `corolla-bench --wan [--rounds N] [--new-tokens N] [--write FILE]` (as root: the CLI
 //! through servers in network namespaces over delayed links, `corolla_tests::wan_bench`),
+//! or `corolla-bench --compute [--rounds N] [--new-tokens N] [--write FILE]` (the default model's
+//! decode speed, kept quantized and dequantized, against llama.cpp on the same GGUF),
 //! or `corolla-bench --wire-quality [--prompts N] [--new-tokens N] [--write FILE]` (what f16
 //! and 8-bit activations on the wire do to the default model's answers).
 
@@ -141,6 +143,15 @@ async fn main() -> anyhow::Result<()> {
         println!("{section}");
         if let Some(file) = write_to {
             write_section(&file, WIRE_QUALITY_HEADING, &section)?;
+        }
+        return Ok(());
+    }
+    if args.iter().any(|a| a == "--compute") {
+        let section = bench_compute_section(arg("--rounds", 5), arg("--new-tokens", 128)).await?;
+        println!("{section}");
+        if let Some(file) = write_to {
+            use corolla_tests::compute_bench::COMPUTE_HEADING;
+            write_section(&file, COMPUTE_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -318,12 +329,26 @@ async fn main() -> anyhow::Result<()> {
         None => String::from("## Browser\n\nSkipped: the default model is not fetched.\n"),
     };
     let batching = bench_batching(rounds.min(3), new_tokens).await?;
-    let report = format!("{report}\n{recovery}\n{default_model}\n{chat}\n{batching}\n{browser}");
+    let compute = bench_compute_section(rounds.min(5), new_tokens).await?;
+    let report =
+        format!("{report}\n{recovery}\n{default_model}\n{chat}\n{compute}\n{batching}\n{browser}");
     println!("{report}");
     if let Some(path) = write_to {
         std::fs::write(path, format!("# Benchmarks\n\nLatest figures; ratios matter, absolute numbers vary with machine load.\n\n{report}\n{NOTES}\n"))?;
     }
     Ok(())
+}
+
+/// The compute section, or why it was skipped.
+async fn bench_compute_section(rounds: usize, new_tokens: usize) -> anyhow::Result<String> {
+    use corolla_tests::compute_bench::{bench_compute, COMPUTE_HEADING, LLAMACPP_DIR_ENV};
+    let Some(model) = corolla_tests::default_model() else {
+        return Ok(format!(
+            "{COMPUTE_HEADING}\n\nSkipped: the default model is not fetched (`corolla fetch-model`).\n"
+        ));
+    };
+    let llama_cpp = std::env::var_os(LLAMACPP_DIR_ENV).map(std::path::PathBuf::from);
+    bench_compute(&model, llama_cpp.as_deref(), rounds, new_tokens).await
 }
 
 /// `corolla demo`'s layout: the default model local vs three servers of ten
@@ -689,8 +714,14 @@ async fn bench_batching_of(
     new_tokens: usize,
     rounds: usize,
     max_batch_wait: &str,
+    quantized: corolla_model::QuantizedWeights,
 ) -> anyhow::Result<(String, f64, f64)> {
-    let ck = Checkpoint::open(model)?.with_quantized_weights(corolla_model::QuantizedWeights::Auto);
+    let ck = Checkpoint::open(model)?.with_quantized_weights(quantized);
+    let quantized_flag = match quantized {
+        corolla_model::QuantizedWeights::Auto => "auto",
+        corolla_model::QuantizedWeights::Keep => "keep",
+        corolla_model::QuantizedWeights::Dequantize => "dequantize",
+    };
     let layers = ck.config().num_hidden_layers;
     let vocab = ck.config().vocab_size as u32;
     let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
@@ -715,6 +746,7 @@ async fn bench_batching_of(
     .to_vec();
     args.extend(["--update-period".into(), "30s".into()]);
     args.extend(["--max-batch-wait".into(), max_batch_wait.into()]);
+    args.extend(["--quantized".into(), quantized_flag.into()]);
     let args = ServerArgs::from_args_and_file(args).map_err(anyhow::Error::msg)?;
     let server = Server::start(args).await?;
     let node = connect(&[server.tcp_addr().expect("tcp").clone()]).await?;
@@ -771,6 +803,7 @@ async fn bench_batching_of(
 }
 
 async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<String> {
+    use corolla_model::QuantizedWeights::{Auto, Dequantize, Keep};
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("random-llama");
     let spec = corolla_tests::bench_spec();
@@ -778,9 +811,9 @@ async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<Stri
     // Side by side in one run: batches that take what is waiting, and
     // batches that wait (the default) for sessions that were decoding.
     let (rows_now, aggregate_now, per_session_now) =
-        bench_batching_of(&dir, new_tokens, rounds, "0ms").await?;
+        bench_batching_of(&dir, new_tokens, rounds, "0ms", Auto).await?;
     let (rows, aggregate, per_session) =
-        bench_batching_of(&dir, new_tokens, rounds, "10ms").await?;
+        bench_batching_of(&dir, new_tokens, rounds, "10ms", Auto).await?;
     let table = "| sessions | tokens/s in all | tokens/s per session (median) | decode steps per forward |\n|---|---|---|---|\n";
     let mut section = format!(
         "{BATCHING_HEADING}\n\n\
@@ -804,15 +837,17 @@ async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<Stri
     );
     match corolla_tests::default_model() {
         Some(path) => {
-            let (rows, aggregate, per_session) =
-                bench_batching_of(&path, new_tokens, rounds.min(2), "10ms").await?;
-            section.push_str(&format!(
-                "\nThe same with the default model (SmolLM2-135M-Instruct, all 30 blocks on one server, \
-                 dequantized to f32), medians of {} rounds:\n\n{table}{rows}\n\
-                 - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×**\n\
-                 - tokens/s per session, 16 sessions over 1: **{per_session:.2}×**\n",
-                rounds.min(2)
-            ));
+            for (weights, how) in [(Dequantize, "dequantized to f32"), (Keep, "kept quantized")] {
+                let (rows, aggregate, per_session) =
+                    bench_batching_of(&path, new_tokens, rounds.min(2), "10ms", weights).await?;
+                section.push_str(&format!(
+                    "\nThe same with the default model (SmolLM2-135M-Instruct, all 30 blocks on one server, \
+                     {how}), medians of {} rounds:\n\n{table}{rows}\n\
+                     - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×** (target >= 8)\n\
+                     - tokens/s per session, 16 sessions over 1: **{per_session:.2}×**\n",
+                    rounds.min(2)
+                ));
+            }
         }
         None => section.push_str("\nThe default model: skipped (not fetched).\n"),
     }

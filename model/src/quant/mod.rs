@@ -1,0 +1,102 @@
+//! Matrix products straight from GGUF block formats, as llama.cpp computes
+//! them: each activation row is quantized to 8 bits per block, and every
+//! output is an integer dot product of a weight row's blocks with it.
+//!
+//! One call multiplies all the rows of a batch, weight row by weight row, so
+//! a weight row is read from memory once per step however many sessions
+//! share it; the weight rows are split over the thread pool.
+//! [`QuantMatrix::concat`] stacks projections that read the same input (Q, K
+//! and V; gate and up) so they cost one pass and one dispatch.
+
+mod blocks;
+mod dot;
+mod parallel;
+
+pub(crate) use blocks::QuantBlocks;
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// A weight matrix `[rows, cols]` kept in its GGUF quantization.
+#[derive(Debug, Clone)]
+pub(crate) struct QuantMatrix {
+    rows: usize,
+    cols: usize,
+    blocks: QuantBlocks,
+}
+
+impl QuantMatrix {
+    /// The matrix of a quantized tensor (`[rows, cols]`), or `None` for a
+    /// format these kernels do not cover (the caller keeps candle's).
+    pub fn from_qtensor(tensor: &QTensor) -> Result<Option<Self>> {
+        let (rows, cols) = tensor.shape().dims2()?;
+        if !tensor.device().is_cpu() || !cols.is_multiple_of(tensor.dtype().block_size()) {
+            return Ok(None);
+        }
+        let Some(blocks) = QuantBlocks::from_bytes(tensor.dtype(), &tensor.data()?)? else {
+            return Ok(None);
+        };
+        if blocks.len() != rows * cols / tensor.dtype().block_size() {
+            return Err(ModelError::InvalidConfig(format!(
+                "a {rows}x{cols} {:?} tensor holds {} blocks",
+                tensor.dtype(),
+                blocks.len()
+            )));
+        }
+        Ok(Some(QuantMatrix { rows, cols, blocks }))
+    }
+
+    /// The matrices stacked by rows (one product computes all their
+    /// outputs, in order), when they share a format and a width.
+    pub fn concat(parts: &[&QuantMatrix]) -> Option<QuantMatrix> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.cols != first.cols) {
+            return None;
+        }
+        let blocks = QuantBlocks::concat(parts.iter().map(|p| &p.blocks))?;
+        Some(QuantMatrix {
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            blocks,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// `x` (`[.., cols]`, any float dtype) times the transposed matrix:
+    /// `[.., rows]` in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        let cols = dims.last().copied().unwrap_or(0);
+        if cols != self.cols {
+            return Err(ModelError::HiddenShape {
+                actual: dims.to_vec(),
+                hidden: self.cols,
+            });
+        }
+        let dtype = x.dtype();
+        let input = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let batch = input.len() / cols.max(1);
+        let mut out = vec![0f32; batch * self.rows];
+        self.matmul(&input, batch, &mut out);
+        let mut out_dims = dims.to_vec();
+        if let Some(last) = out_dims.last_mut() {
+            *last = self.rows;
+        }
+        Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?.to_dtype(dtype)?)
+    }
+
+    /// `out[r * rows + o] = dot(weight row o, input row r)` for `batch` rows.
+    pub fn matmul(&self, input: &[f32], batch: usize, out: &mut [f32]) {
+        debug_assert_eq!(input.len(), batch * self.cols);
+        debug_assert_eq!(out.len(), batch * self.rows);
+        self.blocks.matmul(self.rows, self.cols, input, batch, out);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,154 @@
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use candle_core::quantized::k_quants::GgmlType;
+
+use super::{QuantBlocks, QuantMatrix};
+
+/// The product by the scalar reference dot products (llama.cpp's generic
+/// code as candle carries it), on the same 8-bit activations.
+fn reference(m: &QuantMatrix, x: &Tensor) -> Tensor {
+    fn rows<T: GgmlType>(w: &[T], m: &QuantMatrix, x: &[f32], batch: usize) -> Vec<f32> {
+        let per_row = m.cols / T::BLCK_SIZE;
+        let mut out = vec![0f32; batch * m.rows];
+        for r in 0..batch {
+            let mut q = vec![T::VecDotType::zeros(); per_row];
+            T::VecDotType::from_float(&x[r * m.cols..(r + 1) * m.cols], &mut q);
+            for o in 0..m.rows {
+                out[r * m.rows + o] =
+                    T::vec_dot_unopt(m.cols, &w[o * per_row..(o + 1) * per_row], &q);
+            }
+        }
+        out
+    }
+    let batch = x.dim(0).unwrap();
+    let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let out = match &m.blocks {
+        QuantBlocks::Q4_0(w) => rows(w, m, &xs, batch),
+        QuantBlocks::Q4_1(w) => rows(w, m, &xs, batch),
+        QuantBlocks::Q8_0(w) => rows(w, m, &xs, batch),
+        QuantBlocks::Q4K(w) => rows(w, m, &xs, batch),
+        QuantBlocks::Q5K(w) => rows(w, m, &xs, batch),
+        QuantBlocks::Q6K(w) => rows(w, m, &xs, batch),
+    };
+    Tensor::from_vec(out, (batch, m.rows), &Device::Cpu).unwrap()
+}
+
+const FORMATS: [GgmlDType; 6] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+fn random(shape: (usize, usize), seed: u64) -> Tensor {
+    // A fixed generator, so a failure repeats.
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let values: Vec<f32> = (0..shape.0 * shape.1)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Every format, one row and a batch, small and parallel shapes: the
+/// product matches the scalar reference on the same 8-bit activations (the
+/// same integer math, summed in another order), candle's quantized product
+/// (which may round activations its own way) and the dequantized float
+/// product up to the activations' 8-bit rounding.
+#[test]
+fn products_match_candle_and_the_float_product() {
+    for format in FORMATS {
+        for (rows, cols) in [(40, 256), (1536, 512), (264, 768)] {
+            let weight = random((rows, cols), rows as u64 * 31 + cols as u64);
+            let q = QTensor::quantize(&weight, format).unwrap();
+            let ours = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
+            let dense = q.dequantize(&Device::Cpu).unwrap();
+            let candle = QMatMul::from_qtensor(q).unwrap();
+            for batch in [1, 3, 16] {
+                let x = random((batch, cols), batch as u64 + 7);
+                let got = ours.forward(&x).unwrap();
+                let want = candle.forward(&x).unwrap();
+                let exact = reference(&ours, &x);
+                let float = x.matmul(&dense.t().unwrap()).unwrap();
+                let scale = max_abs_diff(&float, &float.zeros_like().unwrap());
+                let vs_reference = max_abs_diff(&got, &exact) / scale;
+                let vs_candle = max_abs_diff(&got, &want) / scale;
+                let vs_float = max_abs_diff(&got, &float) / scale;
+                assert!(
+                    vs_reference < 1e-5,
+                    "{format:?} {rows}x{cols} batch {batch}: {vs_reference} from the reference"
+                );
+                assert!(
+                    vs_candle < 0.02,
+                    "{format:?} {rows}x{cols} batch {batch}: {vs_candle} from candle's"
+                );
+                assert!(
+                    vs_float < 0.03,
+                    "{format:?} {rows}x{cols} batch {batch}: {vs_float} from the float product"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn stacked_matrices_compute_their_parts() {
+    let parts: Vec<QTensor> = [(64, 256), (32, 256), (32, 256)]
+        .iter()
+        .enumerate()
+        .map(|(i, &shape)| QTensor::quantize(&random(shape, i as u64), GgmlDType::Q4_1).unwrap())
+        .collect();
+    let matrices: Vec<QuantMatrix> = parts
+        .iter()
+        .map(|q| QuantMatrix::from_qtensor(q).unwrap().unwrap())
+        .collect();
+    let stacked = QuantMatrix::concat(&matrices.iter().collect::<Vec<_>>()).unwrap();
+    assert_eq!(stacked.rows(), 128);
+    let x = random((5, 256), 99);
+    let whole = stacked.forward(&x).unwrap();
+    let mut at = 0;
+    for m in &matrices {
+        let part = m.forward(&x).unwrap();
+        assert_eq!(
+            max_abs_diff(&whole.narrow(1, at, m.rows()).unwrap(), &part),
+            0.0
+        );
+        at += m.rows();
+    }
+    let other = QuantMatrix::from_qtensor(
+        &QTensor::quantize(&random((32, 256), 5), GgmlDType::Q8_0).unwrap(),
+    )
+    .unwrap()
+    .unwrap();
+    assert!(QuantMatrix::concat(&[&matrices[0], &other]).is_none());
+}
+
+/// A wrong-width input is an error, not a panic.
+#[test]
+fn a_wrong_width_is_refused() {
+    let q = QTensor::quantize(&random((32, 256), 1), GgmlDType::Q4_0).unwrap();
+    let m = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
+    assert!(m.forward(&random((2, 128), 2)).is_err());
+}

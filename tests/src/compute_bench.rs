@@ -1,0 +1,233 @@
+//! `corolla-bench --compute`: decode speed on the default model's GGUF,
+//! Corolla against llama.cpp (node-llama-cpp's prebuilt CPU build) on the
+//! same file, the same threads and the same prompt, alternating rounds.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::process::Command;
+
+use corolla_client::network::connect;
+use corolla_client::{
+    generate, ChatMessage, ChatTemplate, GenerateOutput, GenerateRequest, LocalChain, RemoteChain,
+    SessionSettings, TextTokenizer,
+};
+use corolla_model::fingerprint::block_hashes;
+use corolla_model::{
+    BlockSpan, Checkpoint, ClientHead, DType, Device, QuantizedWeights, SamplingParams,
+};
+use corolla_shared::WireDType;
+
+pub const COMPUTE_HEADING: &str = "## Compute: Corolla against llama.cpp on the same GGUF";
+
+/// The folder where `scripts/bench.sh` installs node-llama-cpp and its script.
+pub const LLAMACPP_DIR_ENV: &str = "COROLLA_LLAMACPP_DIR";
+
+const THREADS: usize = 2;
+
+#[derive(Debug, serde::Deserialize)]
+struct LlamaCppRun {
+    decode_tokens_per_s: f64,
+    tokens: Vec<u32>,
+}
+
+fn llama_cpp(dir: &Path, model: &Path, request: &GenerateRequest) -> anyhow::Result<LlamaCppRun> {
+    let prompt: Vec<String> = request.prompt_ids.iter().map(u32::to_string).collect();
+    let out = Command::new("node")
+        .arg(dir.join("decode.mjs"))
+        .arg(model)
+        .arg(THREADS.to_string())
+        .arg(request.max_new_tokens.to_string())
+        .arg(prompt.join(","))
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llama.cpp run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| anyhow::anyhow!("llama.cpp printed no figures: {stdout}"))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+/// Tokens per second after the first new token (the prompt's prefill apart).
+fn decode_rate(out: &GenerateOutput) -> f64 {
+    let secs = (out.total_time - out.prefill_time).as_secs_f64();
+    out.generated_ids.len().saturating_sub(1) as f64 / secs.max(1e-9)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+struct Local {
+    head: ClientHead,
+    spans: Vec<BlockSpan>,
+}
+
+impl Local {
+    fn load(model: &Path, weights: QuantizedWeights) -> anyhow::Result<(Self, Checkpoint)> {
+        let ck = Checkpoint::open(model)?.with_quantized_weights(weights);
+        let layers = ck.config().num_hidden_layers;
+        let local = Local {
+            head: ClientHead::load(&ck, DType::F32, &Device::Cpu)?,
+            spans: vec![BlockSpan::load(&ck, 0, layers, DType::F32, &Device::Cpu)?],
+        };
+        Ok((local, ck))
+    }
+
+    async fn run(&self, request: &GenerateRequest) -> anyhow::Result<GenerateOutput> {
+        let mut chain = LocalChain::new(&self.spans, request.max_length())?;
+        Ok(generate(&self.head, &mut chain, request, |_| {
+            ControlFlow::Continue(())
+        })
+        .await?)
+    }
+}
+
+/// The compute section: local kept-quantized (Corolla's kernels and
+/// candle's), local dequantized, a 3-server kept-quantized swarm on
+/// loopback, and llama.cpp, decode tokens/s, medians of `rounds` rounds
+/// after a warm-up, each round running them in a rotated order.
+pub async fn bench_compute(
+    model: &Path,
+    llama_cpp_dir: Option<&Path>,
+    rounds: usize,
+    new_tokens: usize,
+) -> anyhow::Result<String> {
+    let (kept, ck) = Local::load(model, QuantizedWeights::Keep)?;
+    std::env::set_var(corolla_model::KERNELS_ENV, "candle");
+    let candle = Local::load(model, QuantizedWeights::Keep);
+    std::env::remove_var(corolla_model::KERNELS_ENV);
+    let (candle, _) = candle?;
+    let (dequantized, _) = Local::load(model, QuantizedWeights::Dequantize)?;
+
+    let tokenizer = TextTokenizer::for_checkpoint(&ck)?;
+    let template = ChatTemplate::new(ck.chat_template()?.as_deref(), &tokenizer, None, None)?;
+    let prompt = template.render(
+        &[ChatMessage::user(
+            "Explain in a few paragraphs how a lighthouse keeper's day went in 1900.",
+        )],
+        true,
+    )?;
+    let request = GenerateRequest {
+        prompt_ids: tokenizer.encode_chat(&prompt)?,
+        max_new_tokens: new_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_at_eos: false,
+        drafts: 0,
+    };
+
+    let layers = ck.config().num_hidden_layers;
+    let model_arg = model.to_string_lossy().into_owned();
+    let keep = ["--quantized", "keep", "--update-period", "30s"];
+    let first = crate::start_model_server(model, &format!("0:{}", layers / 3), None, &keep).await;
+    let bootstrap = first.tcp_addr().expect("tcp").to_string();
+    let mut servers = vec![first];
+    for (a, b) in [(layers / 3, 2 * layers / 3), (2 * layers / 3, layers)] {
+        servers.push(
+            crate::start_model_server(model, &format!("{a}:{b}"), Some(&bootstrap), &keep).await,
+        );
+    }
+    let node = connect(&[bootstrap.parse()?]).await?;
+    let mut settings = SessionSettings::new(
+        servers[0].model(),
+        layers,
+        request.max_length(),
+        WireDType::F32,
+    );
+    settings.expected_blocks = Some(block_hashes(&ck, 0, layers)?);
+
+    const RUNS: [&str; 5] = [
+        "llama.cpp",
+        "Corolla local, kept quantized",
+        "Corolla local, kept quantized, candle's kernels",
+        "Corolla local, dequantized to f32",
+        "Corolla swarm, 3 servers on loopback, kept quantized",
+    ];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); RUNS.len()];
+    let (mut corolla_tokens, mut llama_tokens, mut dequantized_tokens, mut swarm_tokens) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 0..=rounds {
+        for k in 0..RUNS.len() {
+            let which = (round + k) % RUNS.len();
+            let rate = match which {
+                0 => match llama_cpp_dir {
+                    Some(dir) => {
+                        let run = llama_cpp(dir, model, &request)?;
+                        llama_tokens = run.tokens;
+                        run.decode_tokens_per_s
+                    }
+                    None => f64::NAN,
+                },
+                1 => {
+                    let out = kept.run(&request).await?;
+                    corolla_tokens = out.generated_ids.clone();
+                    decode_rate(&out)
+                }
+                2 => decode_rate(&candle.run(&request).await?),
+                3 => {
+                    let out = dequantized.run(&request).await?;
+                    dequantized_tokens = out.generated_ids.clone();
+                    decode_rate(&out)
+                }
+                _ => {
+                    let mut chain =
+                        RemoteChain::connect(&node, settings.clone(), &Device::Cpu).await?;
+                    let out = generate(&kept.head, &mut chain, &request, |_| {
+                        ControlFlow::Continue(())
+                    })
+                    .await?;
+                    chain.close().await;
+                    swarm_tokens = out.generated_ids.clone();
+                    decode_rate(&out)
+                }
+            };
+            eprintln!("compute round {round}: {}: {rate:.1} tokens/s", RUNS[which]);
+            if round > 0 {
+                rates[which].push(rate);
+            }
+        }
+    }
+    drop(servers);
+    let medians: Vec<f64> = rates.into_iter().map(median).collect();
+    let llama = medians[0];
+    let mut table = String::from("| run | decode tokens/s | vs llama.cpp |\n|---|---|---|\n");
+    for (name, rate) in RUNS.iter().zip(&medians) {
+        table.push_str(&format!("| {name} | {rate:.1} | {:.2}× |\n", rate / llama));
+    }
+    let agree_llama = common_prefix(&corolla_tokens, &llama_tokens);
+    let agree_float = common_prefix(&corolla_tokens, &dequantized_tokens);
+    let agree_swarm = common_prefix(&corolla_tokens, &swarm_tokens);
+    Ok(format!(
+        "{COMPUTE_HEADING}\n\n\
+         Command: `corolla-bench --compute --rounds {rounds} --new-tokens {new_tokens} --write BENCHMARKS.md` \
+         (also part of `bash scripts/bench.sh`).\n\n\
+         {}, CPU, {THREADS} threads everywhere (`RAYON_NUM_THREADS`; llama.cpp's `threads`). A chat prompt of {} \
+         tokens, {new_tokens} greedy tokens; decode tokens/s after the first new token (the prefill apart); \
+         medians of {rounds} rounds after a warm-up, the five runs in a rotated order each round. \
+         llama.cpp is node-llama-cpp 3.21.1's prebuilt CPU build.{}\n\n{table}\n\
+         - Corolla local kept quantized / llama.cpp: **{:.2}×** (target >= 1.0)\n\
+         - swarm / local, kept quantized: **{:.2}×** (target >= 0.9)\n\
+         - greedy tokens: Corolla kept quantized and llama.cpp agree on the first {agree_llama} of {new_tokens}; \
+         kept quantized and dequantized agree on the first {agree_float}; the kept-quantized swarm and the local \
+         run on the first {agree_swarm}\n",
+        model.file_name().map_or(model_arg.clone(), |n| n.to_string_lossy().into_owned()),
+        request.prompt_ids.len(),
+        if llama_cpp_dir.is_some() {
+            ""
+        } else {
+            " llama.cpp: skipped (node-llama-cpp is not installed; `scripts/bench.sh` installs it)."
+        },
+        medians[1] / llama,
+        medians[4] / medians[1],
+    ))
+}
