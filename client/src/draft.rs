@@ -35,33 +35,116 @@ pub fn prompt_lookup(context: &[u32], k: usize) -> &[u32] {
     &[]
 }
 
-/// How long the next draft may be: all accepted lengthens it by two, a
-/// rejection shortens it by one (transformers' "heuristic" schedule), so a
-/// conversation that stopped repeating itself costs short steps.
+/// How many tokens to draft next: as many as pay for themselves.
+///
+/// Each step updates how often a draft token is accepted and what a step
+/// costs (its time without drafts, and what each drafted token adds); the
+/// next length is the one with the most expected tokens per second, none
+/// when drafts cost more than they bring (a conversation that does not
+/// repeat itself, a chain whose step time grows with its rows). Until both
+/// costs are measured, the length follows transformers' "heuristic"
+/// schedule (all accepted: +2, a rejection: -1). After [`PROBE_EVERY`]
+/// steps without drafts the best nonzero length is tried again, so text
+/// that starts repeating is noticed.
 #[derive(Debug, Clone)]
 pub struct DraftLength {
     max: usize,
-    current: usize,
+    /// The heuristic schedule's length, used until the costs are known.
+    schedule: usize,
+    /// Draft tokens accepted, and tokens tried (each accepted one and the
+    /// first rejected), decayed so that recent steps weigh most.
+    accepted: f64,
+    tried: f64,
+    /// Moving average of a step's seconds without drafts.
+    plain_step: Option<f64>,
+    /// Moving average of the seconds each drafted token adds to a step.
+    per_draft: Option<f64>,
+    /// Steps since the last one with drafts.
+    without_drafts: usize,
+}
+
+/// Steps without drafts after which drafting is tried again.
+pub const PROBE_EVERY: usize = 16;
+/// Steps faster than this (seconds) are not weighed: their times are noise.
+const MEASURABLE_STEP: f64 = 0.5e-3;
+/// Weight of the newest measurement in the moving averages.
+const NEWEST: f64 = 0.25;
+/// The acceptance counts keep this share of their past at each step.
+const KEEP: f64 = 0.9;
+
+fn moving_average(old: Option<f64>, new: f64) -> f64 {
+    old.map_or(new, |old| old + NEWEST * (new - old))
 }
 
 impl DraftLength {
     pub fn new(max: usize) -> Self {
-        DraftLength { max, current: max }
+        DraftLength {
+            max,
+            schedule: max,
+            accepted: 1.0,
+            tried: 2.0,
+            plain_step: None,
+            per_draft: None,
+            without_drafts: 0,
+        }
+    }
+
+    /// The chance that a draft token is accepted once those before it were.
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted / self.tried).clamp(0.0, 0.999)
+    }
+
+    /// Expected tokens per second of a step with `k` drafts.
+    fn rate(&self, k: usize, plain: f64, per_draft: f64) -> f64 {
+        let alpha = self.acceptance();
+        // The step's own token, plus each draft accepted with all before it.
+        let tokens: f64 = (0..=k as i32).map(|i| alpha.powi(i)).sum();
+        tokens / (plain + k as f64 * per_draft).max(1e-9)
     }
 
     pub fn get(&self) -> usize {
-        self.current
+        let (Some(plain), Some(per_draft)) = (self.plain_step, self.per_draft) else {
+            return self.schedule;
+        };
+        if plain < MEASURABLE_STEP {
+            // Steps this short are timer noise and scheduling: nothing to weigh.
+            return self.schedule;
+        }
+        let best = |from: usize| {
+            (from..=self.max).max_by(|&a, &b| {
+                self.rate(a, plain, per_draft)
+                    .total_cmp(&self.rate(b, plain, per_draft))
+                    // Ties go to the shorter draft.
+                    .then(b.cmp(&a))
+            })
+        };
+        match best(0) {
+            Some(0) if self.without_drafts >= PROBE_EVERY => best(1).unwrap_or(0),
+            Some(k) => k,
+            None => 0,
+        }
     }
 
-    /// After a step that checked `drafted` tokens and accepted `accepted`.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
+    /// After a decode step that checked `drafted` tokens, accepted
+    /// `accepted` of them and took `seconds`.
+    pub fn record(&mut self, drafted: usize, accepted: usize, seconds: f64) {
         if drafted == 0 {
+            self.plain_step = Some(moving_average(self.plain_step, seconds));
+            self.without_drafts += 1;
             return;
         }
-        self.current = if accepted == drafted {
-            (self.current + 2).min(self.max)
+        self.without_drafts = 0;
+        let rejected = usize::from(accepted < drafted);
+        self.accepted = self.accepted * KEEP + accepted as f64;
+        self.tried = self.tried * KEEP + (accepted + rejected) as f64;
+        if let Some(plain) = self.plain_step {
+            let extra = ((seconds - plain) / drafted as f64).max(0.0);
+            self.per_draft = Some(moving_average(self.per_draft, extra));
+        }
+        self.schedule = if accepted == drafted {
+            (self.schedule + 2).min(self.max)
         } else {
-            self.current.saturating_sub(1).max(1)
+            self.schedule.saturating_sub(1).max(1)
         };
     }
 }
@@ -156,21 +239,58 @@ mod tests {
     }
 
     #[test]
-    fn draft_length_adapts() {
+    fn draft_length_follows_the_schedule_until_costs_are_known() {
         let mut length = DraftLength::new(6);
-        length.record(6, 2);
+        length.record(6, 2, 0.01);
         assert_eq!(length.get(), 5);
         for _ in 0..10 {
-            length.record(3, 0);
+            length.record(3, 0, 0.01);
         }
         assert_eq!(length.get(), 1);
-        length.record(1, 1);
+        length.record(1, 1, 0.01);
         assert_eq!(length.get(), 3);
-        length.record(0, 0);
-        assert_eq!(length.get(), 3);
-        length.record(3, 3);
-        length.record(5, 5);
+        length.record(3, 3, 0.01);
+        length.record(5, 5, 0.01);
         assert_eq!(length.get(), 6);
+    }
+
+    /// Drafts that are never accepted and cost time stop, but are tried
+    /// again every `PROBE_EVERY` steps.
+    #[test]
+    fn drafts_stop_when_they_do_not_pay() {
+        let mut length = DraftLength::new(6);
+        length.record(0, 0, 0.010);
+        for _ in 0..8 {
+            let k = length.get().max(1);
+            length.record(k, 0, 0.010 + 0.002 * k as f64);
+        }
+        assert_eq!(length.get(), 0);
+        for step in 1..PROBE_EVERY {
+            length.record(0, 0, 0.010);
+            assert_eq!(length.get(), 0, "step {step}");
+        }
+        length.record(0, 0, 0.010);
+        assert!(length.get() >= 1, "a probe after {PROBE_EVERY} steps");
+    }
+
+    /// Drafts that are accepted and nearly free run at full length; when
+    /// each costs as much as a step, only near-certain ones pay.
+    #[test]
+    fn drafts_run_long_when_accepted_and_cheap() {
+        let mut length = DraftLength::new(6);
+        length.record(0, 0, 0.010);
+        for _ in 0..10 {
+            let k = length.get().max(1);
+            length.record(k, k, 0.010 + 0.0002 * k as f64);
+        }
+        assert_eq!(length.get(), 6);
+        let mut costly = DraftLength::new(6);
+        costly.record(0, 0, 0.010);
+        for _ in 0..10 {
+            let k = costly.get().max(1);
+            costly.record(k, k / 2, 0.010 + 0.010 * k as f64);
+        }
+        assert_eq!(costly.get(), 0);
     }
 
     #[test]

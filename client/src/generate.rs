@@ -243,6 +243,7 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
     let mut position = reused;
     let mut drafts: Vec<u32> = Vec::new();
     'steps: while generated.len() < request.max_new_tokens {
+        let step_started = Instant::now();
         let mut step = input.clone();
         step.extend_from_slice(&drafts);
         let hidden = chain.forward(head.embed(&step).await?, position).await?;
@@ -253,15 +254,16 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
             check_verified(&drafts, &tokens)?;
             tokens
         };
+        let agreed = tokens.len() - 1;
         if generated.is_empty() {
             prefill_time = started.elapsed();
         } else {
             steps += 1;
+            let seconds = step_started.elapsed().as_secs_f64();
+            draft_length.record(drafts.len(), agreed, seconds);
         }
-        let agreed = tokens.len() - 1;
         drafted += drafts.len();
         accepted += agreed;
-        draft_length.record(drafts.len(), agreed);
         // The caches now hold the input and the accepted drafts; the
         // rejected drafts' positions are dropped.
         position += input.len() + agreed;

@@ -33,17 +33,25 @@ pub struct ClientHead {
 }
 
 impl ClientHead {
-    /// The head of `checkpoint`. An untied model's GGUF embedding table
-    /// stays in the mapped file in its stored type (rows are dequantized
-    /// as tokens need them); a tied one is loaded dense, since the LM head
-    /// multiplies by all of it.
+    /// The head of `checkpoint`. A GGUF embedding table stays in the mapped
+    /// file in its stored type (rows are dequantized as tokens need them),
+    /// unless it is tied and dequantized: then it is loaded dense, since the
+    /// LM head multiplies by all of it.
     pub fn load(checkpoint: &Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
         let cfg = checkpoint.config();
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        if cfg.tie_word_embeddings && !checkpoint.contains(LM_HEAD) {
-            let w = checkpoint.weights(dtype, device);
-            // Tied: the dense embeddings are at hand, and multiplying by them
-            // costs no memory and no activation quantization.
+        let tied = cfg.tie_word_embeddings && !checkpoint.contains(LM_HEAD);
+        let w = checkpoint.weights(dtype, device);
+        // A tied table kept quantized is multiplied from its stored blocks,
+        // as llama.cpp does (a quarter of the bytes a dense one reads per
+        // token); rows are dequantized as tokens need them.
+        let tied_quantized = match tied {
+            true => w.get_quantized(EMBED_TOKENS, &[v, h])?,
+            false => None,
+        };
+        if tied && tied_quantized.is_none() {
+            // Tied and dense: the embeddings are at hand, and multiplying by
+            // them costs no memory and no activation quantization.
             let embeddings = w.get(EMBED_TOKENS, &[v, h])?;
             let lm_head = Linear::dense(embeddings.clone(), None);
             let embed_tokens = TokenEmbeddings::Dense(Embedding::new(embeddings, h));
@@ -64,7 +72,10 @@ impl ClientHead {
                 TokenEmbeddings::Dense(Embedding::new(w.get(EMBED_TOKENS, &[v, h])?, h))
             }
         };
-        let lm_head = Self::lm_head(checkpoint, dtype, device)?;
+        let lm_head = match tied_quantized {
+            Some(table) => Linear::quantized(table, None)?,
+            None => Self::lm_head(checkpoint, dtype, device)?,
+        };
         Self::with_embeddings(checkpoint, embed_tokens, lm_head, dtype, device)
     }
 

@@ -5,6 +5,7 @@ use candle_core::quantized::k_quants::{
 };
 use candle_core::quantized::GgmlDType;
 
+use super::parallel::Kernels;
 use super::{dot, parallel};
 use crate::error::{ModelError, Result};
 
@@ -103,12 +104,12 @@ impl QuantBlocks {
     pub fn matmul(&self, rows: usize, cols: usize, input: &[f32], batch: usize, out: &mut [f32]) {
         let shape = parallel::Shape { rows, cols, batch };
         match self {
-            Self::Q4_0(w) => parallel::matmul(w, shape, input, out, BlockQ4_0::vec_dot),
+            Self::Q4_0(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Self::Q4_1(w) => parallel::matmul(w, shape, input, out, dot::q4_1_q8_1()),
-            Self::Q8_0(w) => parallel::matmul(w, shape, input, out, BlockQ8_0::vec_dot),
-            Self::Q4K(w) => parallel::matmul(w, shape, input, out, BlockQ4K::vec_dot),
-            Self::Q5K(w) => parallel::matmul(w, shape, input, out, BlockQ5K::vec_dot),
-            Self::Q6K(w) => parallel::matmul(w, shape, input, out, BlockQ6K::vec_dot),
+            Self::Q8_0(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Self::Q4K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Self::Q5K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Self::Q6K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
         }
     }
 }

@@ -1,9 +1,9 @@
 //! Block dot products candle leaves scalar, vectorised (chosen at run time,
 //! so one binary runs on every x86-64 machine).
 
-use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1};
 
-use super::parallel::Dot;
+use super::parallel::Kernels;
 
 // The byte layouts the vector kernels read (ggml's): `d`, `m` (or `s`) as
 // f16, then the packed values.
@@ -13,12 +13,15 @@ const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == Q4_1_BYTES);
 const _: () = assert!(std::mem::size_of::<BlockQ8_1>() == Q8_1_BYTES);
 
 /// Q4_1 weights against Q8_1 activations: AVX2 where the CPU has it.
-pub(crate) fn q4_1_q8_1() -> Dot<BlockQ4_1> {
+pub(crate) fn q4_1_q8_1() -> Kernels<BlockQ4_1> {
     #[cfg(target_arch = "x86_64")]
     if x86::available() {
-        return x86::q4_1_q8_1;
+        return Kernels {
+            one: x86::q4_1_q8_1,
+            four: x86::q4_1_q8_1_x4,
+        };
     }
-    BlockQ4_1::vec_dot
+    Kernels::candle()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -37,7 +40,24 @@ mod x86 {
         let blocks = (n / 32).min(xs.len()).min(ys.len());
         // SAFETY: `available()` was true when this kernel was chosen, and
         // `blocks` blocks lie inside both slices.
-        unsafe { q4_1_q8_1_avx2(blocks, xs.as_ptr().cast(), ys.as_ptr().cast()) }
+        unsafe { one_row(blocks, xs.as_ptr().cast(), ys.as_ptr().cast()) }
+    }
+
+    pub fn q4_1_q8_1_x4(
+        n: usize,
+        xs0: &[BlockQ4_1],
+        xs1: &[BlockQ4_1],
+        xs2: &[BlockQ4_1],
+        xs3: &[BlockQ4_1],
+        ys: &[BlockQ8_1],
+    ) -> (f32, f32, f32, f32) {
+        let blocks = [xs0.len(), xs1.len(), xs2.len(), xs3.len(), ys.len()]
+            .into_iter()
+            .fold(n / 32, usize::min);
+        let rows = [xs0, xs1, xs2, xs3].map(|r| r.as_ptr().cast::<u8>());
+        // SAFETY: as for `q4_1_q8_1`, for each of the four rows.
+        let [a, b, c, d] = unsafe { four_rows(blocks, rows, ys.as_ptr().cast()) };
+        (a, b, c, d)
     }
 
     /// The two f16s at `p` as f32 lanes 0 and 1.
@@ -47,33 +67,88 @@ mod x86 {
         _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p.cast::<i32>())))
     }
 
+    /// The 32 values of a Q4_1 block (0..16 are the low nibbles, 16..32 the
+    /// high ones) times the 32 activations, summed by 8 lanes of 4.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_1_q8_1_avx2(blocks: usize, w: *const u8, x: *const u8) -> f32 {
-        let low_nibbles = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        // Lane 1 accumulates the blocks' minimum terms (m * s).
-        let mut mins = _mm_setzero_ps();
+    unsafe fn block_sums(block: *const u8, activations: __m256i) -> __m256 {
+        let packed = _mm_loadu_si128(block.add(4).cast());
+        let values = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+            _mm256_set1_epi8(0x0f),
+        );
+        let pairs = _mm256_maddubs_epi16(values, activations);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sum_lanes(v: __m256) -> f32 {
+        let half = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+        let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)))
+    }
+
+    /// One weight row; two blocks a turn into separate sums, so that one
+    /// block's multiply-add does not wait for the last one's.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn one_row(blocks: usize, w: *const u8, x: *const u8) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        // Lane 1 accumulates the blocks' minimum terms (m_w * s_x).
+        let mut mins = [_mm_setzero_ps(); 2];
         for i in 0..blocks {
-            let wb = w.add(i * Q4_1_BYTES);
-            let xb = x.add(i * Q8_1_BYTES);
+            let (wb, xb) = (w.add(i * Q4_1_BYTES), x.add(i * Q8_1_BYTES));
             // Lane 0: d_w * d_x; lane 1: m_w * s_x.
             let scales = _mm_mul_ps(two_halves(wb), two_halves(xb));
-            mins = _mm_add_ps(mins, scales);
-            let packed = _mm_loadu_si128(wb.add(4).cast());
-            // Values 0..16 are the low nibbles, 16..32 the high ones.
-            let values = _mm256_and_si256(
-                _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                low_nibbles,
-            );
-            let activations = _mm256_loadu_si256(xb.add(4).cast());
-            let pairs = _mm256_maddubs_epi16(values, activations);
-            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), sums, acc);
+            let sums = block_sums(wb, _mm256_loadu_si256(xb.add(4).cast()));
+            let k = i & 1;
+            mins[k] = _mm_add_ps(mins[k], scales);
+            acc[k] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), sums, acc[k]);
         }
-        let half = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
-        let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        let total = _mm_add_ss(half, _mm_movehdup_ps(half));
-        _mm_cvtss_f32(total) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+        let mins = _mm_add_ps(mins[0], mins[1]);
+        sum_lanes(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+    }
+
+    /// Four weight rows against one activation row, read once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn four_rows(blocks: usize, w: [*const u8; 4], x: *const u8) -> [f32; 4] {
+        let [mut w0, mut w1, mut w2, mut w3] = w;
+        let mut xb = x;
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        // Lane k: row k's minimum terms.
+        let mut mins = _mm_setzero_ps();
+        for _ in 0..blocks {
+            let activation_scales = two_halves(xb);
+            let activations = _mm256_loadu_si256(xb.add(4).cast());
+            let s0 = _mm_mul_ps(two_halves(w0), activation_scales);
+            let s1 = _mm_mul_ps(two_halves(w1), activation_scales);
+            let s2 = _mm_mul_ps(two_halves(w2), activation_scales);
+            let s3 = _mm_mul_ps(two_halves(w3), activation_scales);
+            acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s0), block_sums(w0, activations), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s1), block_sums(w1, activations), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s2), block_sums(w2, activations), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_broadcastss_ps(s3), block_sums(w3, activations), acc3);
+            // [s0.1, s1.1, s2.1, s3.1]: each row's m_w * s_x.
+            let low = _mm_unpacklo_ps(s0, s1);
+            let high = _mm_unpacklo_ps(s2, s3);
+            mins = _mm_add_ps(mins, _mm_movehl_ps(high, low));
+            w0 = w0.add(Q4_1_BYTES);
+            w1 = w1.add(Q4_1_BYTES);
+            w2 = w2.add(Q4_1_BYTES);
+            w3 = w3.add(Q4_1_BYTES);
+            xb = xb.add(Q8_1_BYTES);
+        }
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), mins);
+        out[0] += sum_lanes(acc0);
+        out[1] += sum_lanes(acc1);
+        out[2] += sum_lanes(acc2);
+        out[3] += sum_lanes(acc3);
+        out
     }
 }

@@ -92,8 +92,9 @@ impl QuantMatrix {
 
     /// `out[r * rows + o] = dot(weight row o, input row r)` for `batch` rows.
     pub fn matmul(&self, input: &[f32], batch: usize, out: &mut [f32]) {
-        debug_assert_eq!(input.len(), batch * self.cols);
-        debug_assert_eq!(out.len(), batch * self.rows);
+        // The kernels write `out` through a raw pointer: real checks.
+        assert_eq!(input.len(), batch * self.cols, "input of the wrong size");
+        assert_eq!(out.len(), batch * self.rows, "output of the wrong size");
         self.blocks.matmul(self.rows, self.cols, input, batch, out);
     }
 }

@@ -6,6 +6,27 @@ use candle_core::quantized::k_quants::GgmlType;
 /// A block dot product: `n` values of weight blocks against activation blocks.
 pub(crate) type Dot<T> = fn(usize, &[T], &[<T as GgmlType>::VecDotType]) -> f32;
 
+/// Four weight rows against one activation row: the activation's blocks
+/// are loaded once, and four independent sums keep the core busy.
+pub(crate) type Dot4<T> =
+    fn(usize, &[T], &[T], &[T], &[T], &[<T as GgmlType>::VecDotType]) -> (f32, f32, f32, f32);
+
+/// The dot products of a format.
+pub(crate) struct Kernels<T: GgmlType> {
+    pub one: Dot<T>,
+    pub four: Dot4<T>,
+}
+
+impl<T: GgmlType> Kernels<T> {
+    /// Candle's own (vectorised for most formats).
+    pub fn candle() -> Self {
+        Kernels {
+            one: T::vec_dot,
+            four: T::vec_dot_4,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Shape {
     /// Weight rows (outputs).
@@ -29,7 +50,7 @@ pub(crate) fn matmul<T: GgmlType>(
     shape: Shape,
     input: &[f32],
     out: &mut [f32],
-    dot: Dot<T>,
+    kernels: Kernels<T>,
 ) {
     let Shape { rows, cols, batch } = shape;
     let per_row = cols / T::BLCK_SIZE;
@@ -42,13 +63,28 @@ pub(crate) fn matmul<T: GgmlType>(
     }
     let quantized = &quantized;
     let out_ptr = OutPtr(out.as_mut_ptr());
+    let row = |o: usize| &weights[o * per_row..(o + 1) * per_row];
     let run = |range: std::ops::Range<usize>| {
-        for o in range {
-            let w = &weights[o * per_row..(o + 1) * per_row];
+        let mut o = range.start;
+        while o + 4 <= range.end {
+            let (w0, w1, w2, w3) = (row(o), row(o + 1), row(o + 2), row(o + 3));
             for (r, x) in quantized.chunks_exact(per_row).enumerate() {
-                let value = dot(cols, w, x);
+                let (a, b, c, d) = (kernels.four)(cols, w0, w1, w2, w3, x);
                 // SAFETY: each (r, o) is written by exactly one work item,
-                // and r * rows + o < batch * rows = out.len().
+                // and r * rows + o + 3 < batch * rows = out.len().
+                unsafe {
+                    out_ptr.write(r * rows + o, a);
+                    out_ptr.write(r * rows + o + 1, b);
+                    out_ptr.write(r * rows + o + 2, c);
+                    out_ptr.write(r * rows + o + 3, d);
+                }
+            }
+            o += 4;
+        }
+        for o in o..range.end {
+            for (r, x) in quantized.chunks_exact(per_row).enumerate() {
+                let value = (kernels.one)(cols, row(o), x);
+                // SAFETY: as above.
                 unsafe { out_ptr.write(r * rows + o, value) };
             }
         }

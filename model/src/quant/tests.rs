@@ -80,7 +80,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 #[test]
 fn products_match_candle_and_the_float_product() {
     for format in FORMATS {
-        for (rows, cols) in [(40, 256), (1536, 512), (264, 768)] {
+        for (rows, cols) in [(43, 256), (1536, 512), (266, 768)] {
             let weight = random((rows, cols), rows as u64 * 31 + cols as u64);
             let q = QTensor::quantize(&weight, format).unwrap();
             let ours = QuantMatrix::from_qtensor(&q).unwrap().unwrap();

@@ -6,7 +6,7 @@
 //!    `--device cuda` in f32.
 //! 2. f16 and bf16 logits against f32 on the GPU.
 //! 3. Batched decode on the GPU: 1, 4 and 16 sessions of the bench model.
-//! 4. A Llama-2-70B-shaped span (random weights, f16): the decode step time
+//! 4. A Llama-2-70B-shaped span (random weights, f16, then Q4_K kept quantized): the decode step time
 //!    against the memory floor (bytes of the weights over the bandwidth).
 //!
 //! Prints a Markdown report (also written to `--out FILE`); exits non-zero
@@ -85,6 +85,8 @@ fn main() -> Result<()> {
     eprintln!("batching: {:?}", started.elapsed());
     report.push_str(&span_70b(&gpu, o.layers_70b)?);
     eprintln!("70B-shaped span: {:?}", started.elapsed());
+    report.push_str(&span_70b_kept_quantized(&gpu, o.layers_70b)?);
+    eprintln!("70B-shaped span kept quantized: {:?}", started.elapsed());
 
     if failed.is_empty() {
         report.push_str("\nAll correctness checks passed.\n");
@@ -294,6 +296,63 @@ fn span_70b(gpu: &Device, layers: usize) -> Result<String> {
             span.forward(&prompt, 0, c)?;
         }
         let x = Tensor::randn(0f32, 1.0, (1, 1, spec.hidden_size), gpu)?;
+        let per_step = time_steps(gpu, 20, |i| {
+            if b == 1 {
+                span.forward(&x, 512 + i, &mut caches[0])?;
+            } else {
+                let mut steps: Vec<_> =
+                    caches.iter_mut().map(|c| (x.clone(), 512 + i, c)).collect();
+                span.forward_decode_batch(&mut steps)?;
+            }
+            Ok(())
+        })?;
+        section.push_str(&format!(
+            "| {b} | 512 | {:.3} | {:.2}x |\n",
+            per_step * 1e3,
+            per_step / floor
+        ));
+    }
+    section.push('\n');
+    Ok(section)
+}
+
+/// The same Llama-2-70B-shaped blocks as a Q4_K GGUF kept quantized (what
+/// every 70B swarm serves: `--quantized auto` keeps models over 2 GiB), one
+/// and 8 sessions' decode steps against the time to read the Q4_K weights once.
+fn span_70b_kept_quantized(gpu: &Device, layers: usize) -> Result<String> {
+    use corolla_model::random_gguf::{write_random_gguf, ModelShape, RandomGguf, WeightQuant};
+    use corolla_model::QuantizedWeights;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("llama-2-70b-q4k.gguf");
+    let started = Instant::now();
+    let spec = RandomGguf::new(ModelShape::Llama2_70b, layers, WeightQuant::Q4K, 70);
+    write_random_gguf(&path, &spec, |_, _| {})?;
+    let written = started.elapsed();
+    let ck = Checkpoint::open(&path)?.with_quantized_weights(QuantizedWeights::Keep);
+    let span = BlockSpan::load(&ck, 0, layers, DType::F32, gpu)?;
+    let loaded = started.elapsed();
+    // Q4_K: 144 bytes per 256 weights.
+    let bytes = ck.config().block_parameters() as f64 * layers as f64 * 144.0 / 256.0;
+    let floor = bytes / BANDWIDTH_BYTES_PER_S;
+    let hidden = ck.config().hidden_size;
+    let mut section = format!(
+        "## The same span as Q4_K kept quantized ({layers} blocks, candle's CUDA kernels)\n\n\
+         Weights {:.2} GB; memory floor {:.3} ms per step (GGUF written in {:.0?}, loaded by {:.0?}).\n\n\
+         | sessions | context | ms per step | over the floor |\n|---|---|---|---|\n",
+        bytes / 1e9,
+        floor * 1e3,
+        written,
+        loaded.saturating_sub(written),
+    );
+    for b in [1usize, 8] {
+        let mut caches = (0..b)
+            .map(|_| span.new_cache(1024))
+            .collect::<corolla_model::Result<Vec<_>>>()?;
+        let prompt = Tensor::randn(0f32, 1.0, (1, 512, hidden), gpu)?;
+        for c in caches.iter_mut() {
+            span.forward(&prompt, 0, c)?;
+        }
+        let x = Tensor::randn(0f32, 1.0, (1, 1, hidden), gpu)?;
         let per_step = time_steps(gpu, 20, |i| {
             if b == 1 {
                 span.forward(&x, 512 + i, &mut caches[0])?;
