@@ -26,6 +26,8 @@ if ! cmp -s bench/llamacpp/package-lock.json "$COROLLA_LLAMACPP_DIR/node_modules
     cp bench/llamacpp/package-lock.json "$COROLLA_LLAMACPP_DIR/node_modules/.package-lock.json.installed"
 fi
 "$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md
+# How far kept-quantized answers are from the float model's (100 prompts).
+"$CARGO_TARGET_DIR/debug/corolla-bench" --quantization-quality --write BENCHMARKS.md
 # 70B-class heads in the page: the Chromium tests measure, corolla-bench writes the section.
 COROLLA_REQUIRE_BROWSER=1 cargo test -p corolla-tests --test browser page_holds_a -- --test-threads 1
 "$CARGO_TARGET_DIR/debug/corolla-bench" --page-figures tests/artifacts --write BENCHMARKS.md

@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use corolla_client::assistant::ClientPart;
 use corolla_model::wire::{from_view, to_payload};
-use corolla_model::{BlockSpan, Checkpoint, ClientHead};
+use corolla_model::{BlockSpan, Checkpoint, ClientHead, QuantizedWeights};
 use corolla_shared::{Compression, WireDType};
 
 /// One wire format: what a session's `dtype` and `compression` say.
@@ -78,7 +78,12 @@ pub struct SplitModel {
 
 impl SplitModel {
     pub fn open(model: &Path) -> anyhow::Result<Self> {
-        let checkpoint = Checkpoint::open(model)?;
+        Self::open_with(model, QuantizedWeights::Auto)
+    }
+
+    /// [`Self::open`] with quantized weights kept or dequantized as `weights` says.
+    pub fn open_with(model: &Path, weights: QuantizedWeights) -> anyhow::Result<Self> {
+        let checkpoint = Checkpoint::open(model)?.with_quantized_weights(weights);
         let layers = checkpoint.config().num_hidden_layers;
         let cuts = [0, layers / 3, 2 * layers / 3, layers];
         let spans = cuts
@@ -303,5 +308,94 @@ pub fn wire_quality_section(
          some answers, and a swarm's answer must be the local one. f16 (`--wire-dtype f16`) and 8-bit \
          blocks (`--wire-compression int8`) are options for links where bytes matter more.\n",
         table(&figures, new_tokens)
+    ))
+}
+
+/// How far the model kept quantized (8-bit activations, as llama.cpp
+/// computes) is from the same model dequantized to f32, on `count` prompts:
+/// the same figures as the wire's, the kept-quantized model in the place of
+/// a wire format.
+pub fn measure_kept_quantized(
+    model: &Path,
+    count: usize,
+    new_tokens: usize,
+) -> anyhow::Result<WireQuality> {
+    let float = SplitModel::open_with(model, QuantizedWeights::Dequantize)?;
+    let kept = SplitModel::open_with(model, QuantizedWeights::Keep)?;
+    let mut f = WireQuality {
+        format: WireFormat::F32,
+        prompts: 0,
+        positions: 0,
+        top_token_agreement: 0.0,
+        max_logit_error: 0.0,
+        mean_logit_error: 0.0,
+        identical_answers: 0,
+    };
+    let (mut agreeing, mut error_sum) = (0usize, 0f64);
+    for text in prompts(count) {
+        let prompt = float.part.tokenizer.encode(&text)?;
+        let answer = float.greedy(&prompt, new_tokens, None)?;
+        let mut forced = prompt.clone();
+        forced.extend_from_slice(&answer[..new_tokens - 1]);
+        let from = prompt.len() - 1;
+        let reference = float.logits(&forced, None)?.i(from..)?;
+        let ref_top = reference.argmax(1)?.to_vec1::<u32>()?;
+        let ref_std = reference
+            .broadcast_sub(&reference.mean_keepdim(1)?)?
+            .sqr()?
+            .mean_keepdim(1)?
+            .sqrt()?;
+        let logits = kept.logits(&forced, None)?.i(from..)?;
+        let top = logits.argmax(1)?.to_vec1::<u32>()?;
+        agreeing += top.iter().zip(&ref_top).filter(|(a, b)| a == b).count();
+        let error = (logits - &reference)?
+            .abs()?
+            .max_keepdim(1)?
+            .broadcast_div(&ref_std)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        f.prompts += 1;
+        f.positions += error.len();
+        f.max_logit_error = error
+            .iter()
+            .fold(f.max_logit_error, |m, e| m.max(f64::from(*e)));
+        error_sum += error.iter().map(|e| f64::from(*e)).sum::<f64>();
+        if kept.greedy(&prompt, new_tokens, None)? == answer {
+            f.identical_answers += 1;
+        }
+    }
+    let positions = f.positions.max(1) as f64;
+    f.top_token_agreement = agreeing as f64 / positions;
+    f.mean_logit_error = error_sum / positions;
+    Ok(f)
+}
+
+pub const KEPT_QUANTIZED_HEADING: &str =
+    "## Kept quantized against dequantized (`corolla-bench --quantization-quality`)";
+
+/// The BENCHMARKS.md section: the default GGUF kept quantized against the
+/// same weights dequantized to f32.
+pub fn kept_quantized_section(
+    model: &Path,
+    prompts: usize,
+    new_tokens: usize,
+) -> anyhow::Result<String> {
+    let f = measure_kept_quantized(model, prompts, new_tokens)?;
+    Ok(format!(
+        "{KEPT_QUANTIZED_HEADING}\n\n\
+         Command: `corolla-bench --quantization-quality --prompts {prompts} --new-tokens {new_tokens} --write BENCHMARKS.md`.\n\n\
+         The default model (SmolLM2-135M-Instruct Q4_1 GGUF) split in three spans in one process, its blocks and \
+         tied LM head kept quantized (`--quantized keep`: each activation row rounded to 8 bits per block of 32, \
+         as llama.cpp computes), against the same weights dequantized to f32 (`--quantized dequantize`, the float \
+         model whose tokens match transformers'). The same measures as the wire's below, on the same {prompts} \
+         prompts (`tests/src/wire_quality.rs`).\n\n\
+         | compute | top token agreement (teacher-forced) | logit error max / mean (× the logits' std) | identical greedy answers |\n|---|---|---|---|\n\
+         | kept quantized | {:.2} % of {} positions | {:.4} / {:.5} | {} of {} ({new_tokens} tokens each) |\n",
+        100.0 * f.top_token_agreement,
+        f.positions,
+        f.max_logit_error,
+        f.mean_logit_error,
+        f.identical_answers,
+        f.prompts,
     ))
 }

@@ -8,6 +8,8 @@
 //! through servers in network namespaces over delayed links, `corolla_tests::wan_bench`),
 //! or `corolla-bench --compute [--rounds N] [--new-tokens N] [--write FILE]` (the default model's
 //! decode speed, kept quantized and dequantized, against llama.cpp on the same GGUF),
+//! or `corolla-bench --quantization-quality [--prompts N] [--new-tokens N] [--write FILE]` (the
+//! default GGUF kept quantized against dequantized),
 //! or `corolla-bench --wire-quality [--prompts N] [--new-tokens N] [--write FILE]` (what f16
 //! and 8-bit activations on the wire do to the default model's answers).
 
@@ -152,6 +154,21 @@ async fn main() -> anyhow::Result<()> {
         if let Some(file) = write_to {
             use corolla_tests::compute_bench::COMPUTE_HEADING;
             write_section(&file, COMPUTE_HEADING, &section)?;
+        }
+        return Ok(());
+    }
+    if args.iter().any(|a| a == "--quantization-quality") {
+        use corolla_tests::wire_quality::{kept_quantized_section, KEPT_QUANTIZED_HEADING};
+        let model = corolla_tests::default_model()
+            .ok_or_else(|| anyhow::anyhow!("--quantization-quality needs the default model"))?;
+        let (prompts, new_tokens) = (arg("--prompts", 100), arg("--new-tokens", 8));
+        let section = tokio::task::spawn_blocking(move || {
+            kept_quantized_section(&model, prompts, new_tokens)
+        })
+        .await??;
+        println!("{section}");
+        if let Some(file) = write_to {
+            write_section(&file, KEPT_QUANTIZED_HEADING, &section)?;
         }
         return Ok(());
     }
