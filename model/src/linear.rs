@@ -1,6 +1,8 @@
 //! A linear layer whose weight is either dense or kept in its GGUF
 //! quantization.
 
+use std::sync::Arc;
+
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
@@ -50,14 +52,15 @@ impl Linear {
     }
 
     pub fn quantized(weight: QTensor, bias: Option<Tensor>) -> Result<Self> {
+        let weight = Arc::new(weight);
         let blocks = if corolla_kernels() {
-            QuantMatrix::from_qtensor(&weight)?
+            QuantMatrix::new(weight.clone())?
         } else {
             None
         };
         let weight = match blocks {
             Some(matrix) => QuantizedWeight::Blocks(matrix),
-            None => QuantizedWeight::Candle(QMatMul::from_qtensor(weight)?),
+            None => QuantizedWeight::Candle(QMatMul::from_arc(weight)?),
         };
         Ok(Linear::Quantized { weight, bias })
     }
@@ -148,7 +151,7 @@ impl<const N: usize> Projections<N> {
             None
         };
         if let (Some(matrices), Some(bias)) = (matrices, bias) {
-            if let Some(stacked) = QuantMatrix::concat(&matrices) {
+            if let Some(stacked) = QuantMatrix::concat(&matrices)? {
                 let widths = std::array::from_fn(|i| matrices[i].rows());
                 return Ok(Projections::Stacked {
                     linear: Linear::Quantized {

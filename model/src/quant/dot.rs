@@ -19,6 +19,7 @@ pub(crate) fn q4_1_q8_1() -> Kernels<BlockQ4_1> {
         return Kernels {
             one: x86::q4_1_q8_1,
             four: x86::q4_1_q8_1_x4,
+            batched: Some(x86::q4_1_q8_1_batched),
         };
     }
     Kernels::candle()
@@ -58,6 +59,15 @@ mod x86 {
         // SAFETY: as for `q4_1_q8_1`, for each of the four rows.
         let [a, b, c, d] = unsafe { four_rows(blocks, rows, ys.as_ptr().cast()) };
         (a, b, c, d)
+    }
+
+    pub fn q4_1_q8_1_batched(n: usize, xs: &[BlockQ4_1], ys: [&[BlockQ8_1]; 4]) -> [f32; 4] {
+        let blocks = ys
+            .iter()
+            .map(|y| y.len())
+            .fold(xs.len().min(n / 32), usize::min);
+        // SAFETY: as for `q4_1_q8_1`, for each of the four activation rows.
+        unsafe { four_activations(blocks, xs.as_ptr().cast(), ys.map(|y| y.as_ptr().cast())) }
     }
 
     /// The two f16s at `p` as f32 lanes 0 and 1.
@@ -142,6 +152,78 @@ mod x86 {
             w2 = w2.add(Q4_1_BYTES);
             w3 = w3.add(Q4_1_BYTES);
             xb = xb.add(Q8_1_BYTES);
+        }
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), mins);
+        out[0] += sum_lanes(acc0);
+        out[1] += sum_lanes(acc1);
+        out[2] += sum_lanes(acc2);
+        out[3] += sum_lanes(acc3);
+        out
+    }
+
+    /// An unpacked Q4_1 block's values times the activations of the Q8_1
+    /// block at `xb`, summed by 8 lanes of 4.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpacked_sums(values: __m256i, xb: *const u8, ones: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(values, _mm256_loadu_si256(xb.add(4).cast()));
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones))
+    }
+
+    /// One weight row against four activation rows, each block unpacked once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn four_activations(blocks: usize, w: *const u8, x: [*const u8; 4]) -> [f32; 4] {
+        let [mut x0, mut x1, mut x2, mut x3] = x;
+        let mut wb = w;
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        // Lane k: activation row k's minimum terms.
+        let mut mins = _mm_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        for _ in 0..blocks {
+            let weight_scales = two_halves(wb);
+            let packed = _mm_loadu_si128(wb.add(4).cast());
+            let values = _mm256_and_si256(
+                _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                _mm256_set1_epi8(0x0f),
+            );
+            let s0 = _mm_mul_ps(weight_scales, two_halves(x0));
+            let s1 = _mm_mul_ps(weight_scales, two_halves(x1));
+            let s2 = _mm_mul_ps(weight_scales, two_halves(x2));
+            let s3 = _mm_mul_ps(weight_scales, two_halves(x3));
+            acc0 = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(s0),
+                unpacked_sums(values, x0, ones),
+                acc0,
+            );
+            acc1 = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(s1),
+                unpacked_sums(values, x1, ones),
+                acc1,
+            );
+            acc2 = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(s2),
+                unpacked_sums(values, x2, ones),
+                acc2,
+            );
+            acc3 = _mm256_fmadd_ps(
+                _mm256_broadcastss_ps(s3),
+                unpacked_sums(values, x3, ones),
+                acc3,
+            );
+            let low = _mm_unpacklo_ps(s0, s1);
+            let high = _mm_unpacklo_ps(s2, s3);
+            mins = _mm_add_ps(mins, _mm_movehl_ps(high, low));
+            wb = wb.add(Q4_1_BYTES);
+            x0 = x0.add(Q8_1_BYTES);
+            x1 = x1.add(Q8_1_BYTES);
+            x2 = x2.add(Q8_1_BYTES);
+            x3 = x3.add(Q8_1_BYTES);
         }
         let mut out = [0f32; 4];
         _mm_storeu_ps(out.as_mut_ptr(), mins);

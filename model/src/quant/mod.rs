@@ -14,6 +14,8 @@ mod parallel;
 
 pub(crate) use blocks::QuantBlocks;
 
+use std::sync::Arc;
+
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
@@ -30,18 +32,19 @@ pub(crate) struct QuantMatrix {
 impl QuantMatrix {
     /// The matrix of a quantized tensor (`[rows, cols]`), or `None` for a
     /// format these kernels do not cover (the caller keeps candle's).
-    pub fn from_qtensor(tensor: &QTensor) -> Result<Option<Self>> {
+    pub fn new(tensor: Arc<QTensor>) -> Result<Option<Self>> {
         let (rows, cols) = tensor.shape().dims2()?;
-        if !tensor.device().is_cpu() || !cols.is_multiple_of(tensor.dtype().block_size()) {
+        let block = tensor.dtype().block_size();
+        if !cols.is_multiple_of(block) {
             return Ok(None);
         }
-        let Some(blocks) = QuantBlocks::from_bytes(tensor.dtype(), &tensor.data()?)? else {
+        let Some(blocks) = QuantBlocks::new(tensor)? else {
             return Ok(None);
         };
-        if blocks.len() != rows * cols / tensor.dtype().block_size() {
+        if blocks.len() != rows * cols / block {
             return Err(ModelError::InvalidConfig(format!(
                 "a {rows}x{cols} {:?} tensor holds {} blocks",
-                tensor.dtype(),
+                blocks.format(),
                 blocks.len()
             )));
         }
@@ -50,17 +53,22 @@ impl QuantMatrix {
 
     /// The matrices stacked by rows (one product computes all their
     /// outputs, in order), when they share a format and a width.
-    pub fn concat(parts: &[&QuantMatrix]) -> Option<QuantMatrix> {
-        let first = parts.first()?;
+    pub fn concat(parts: &[&QuantMatrix]) -> Result<Option<QuantMatrix>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
         if parts.iter().any(|p| p.cols != first.cols) {
-            return None;
+            return Ok(None);
         }
-        let blocks = QuantBlocks::concat(parts.iter().map(|p| &p.blocks))?;
-        Some(QuantMatrix {
-            rows: parts.iter().map(|p| p.rows).sum(),
-            cols: first.cols,
-            blocks,
-        })
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let blocks: Vec<&QuantBlocks> = parts.iter().map(|p| &p.blocks).collect();
+        Ok(
+            QuantBlocks::concat(&blocks, rows, first.cols)?.map(|blocks| QuantMatrix {
+                rows,
+                cols: first.cols,
+                blocks,
+            }),
+        )
     }
 
     pub fn rows(&self) -> usize {
@@ -82,7 +90,7 @@ impl QuantMatrix {
         let input = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let batch = input.len() / cols.max(1);
         let mut out = vec![0f32; batch * self.rows];
-        self.matmul(&input, batch, &mut out);
+        self.matmul(&input, batch, &mut out)?;
         let mut out_dims = dims.to_vec();
         if let Some(last) = out_dims.last_mut() {
             *last = self.rows;
@@ -90,12 +98,20 @@ impl QuantMatrix {
         Ok(Tensor::from_vec(out, out_dims, &Device::Cpu)?.to_dtype(dtype)?)
     }
 
+    fn shape(&self, batch: usize) -> parallel::Shape {
+        parallel::Shape {
+            rows: self.rows,
+            cols: self.cols,
+            batch,
+        }
+    }
+
     /// `out[r * rows + o] = dot(weight row o, input row r)` for `batch` rows.
-    pub fn matmul(&self, input: &[f32], batch: usize, out: &mut [f32]) {
+    pub fn matmul(&self, input: &[f32], batch: usize, out: &mut [f32]) -> Result<()> {
         // The kernels write `out` through a raw pointer: real checks.
         assert_eq!(input.len(), batch * self.cols, "input of the wrong size");
         assert_eq!(out.len(), batch * self.rows, "output of the wrong size");
-        self.blocks.matmul(self.rows, self.cols, input, batch, out);
+        self.blocks.matmul(self.shape(batch), input, out)
     }
 }
 

@@ -11,10 +11,15 @@ pub(crate) type Dot<T> = fn(usize, &[T], &[<T as GgmlType>::VecDotType]) -> f32;
 pub(crate) type Dot4<T> =
     fn(usize, &[T], &[T], &[T], &[T], &[<T as GgmlType>::VecDotType]) -> (f32, f32, f32, f32);
 
+/// One weight row against four activation rows: the weight blocks are
+/// unpacked once for all four (a batch's rows).
+pub(crate) type Batched4<T> = fn(usize, &[T], [&[<T as GgmlType>::VecDotType]; 4]) -> [f32; 4];
+
 /// The dot products of a format.
 pub(crate) struct Kernels<T: GgmlType> {
     pub one: Dot<T>,
     pub four: Dot4<T>,
+    pub batched: Option<Batched4<T>>,
 }
 
 impl<T: GgmlType> Kernels<T> {
@@ -23,6 +28,7 @@ impl<T: GgmlType> Kernels<T> {
         Kernels {
             one: T::vec_dot,
             four: T::vec_dot_4,
+            batched: None,
         }
     }
 }
@@ -64,7 +70,35 @@ pub(crate) fn matmul<T: GgmlType>(
     let quantized = &quantized;
     let out_ptr = OutPtr(out.as_mut_ptr());
     let row = |o: usize| &weights[o * per_row..(o + 1) * per_row];
+    let activations = |r: usize| &quantized[r * per_row..(r + 1) * per_row];
+    let run_batched = |range: std::ops::Range<usize>, batched: Batched4<T>| {
+        for o in range {
+            let w = row(o);
+            let mut r = 0;
+            while r + 4 <= batch {
+                let x = [
+                    activations(r),
+                    activations(r + 1),
+                    activations(r + 2),
+                    activations(r + 3),
+                ];
+                for (k, value) in batched(cols, w, x).into_iter().enumerate() {
+                    // SAFETY: each (r, o) is written by exactly one work item,
+                    // and (r + k) * rows + o < batch * rows = out.len().
+                    unsafe { out_ptr.write((r + k) * rows + o, value) };
+                }
+                r += 4;
+            }
+            for r in r..batch {
+                // SAFETY: as above.
+                unsafe { out_ptr.write(r * rows + o, (kernels.one)(cols, w, activations(r))) };
+            }
+        }
+    };
     let run = |range: std::ops::Range<usize>| {
+        if let (Some(batched), true) = (kernels.batched, batch >= 4) {
+            return run_batched(range, batched);
+        }
         let mut o = range.start;
         while o + 4 <= range.end {
             let (w0, w1, w2, w3) = (row(o), row(o + 1), row(o + 2), row(o + 3));

@@ -1,37 +1,25 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
-use candle_core::quantized::k_quants::GgmlType;
+use std::sync::Arc;
 
-use super::{QuantBlocks, QuantMatrix};
+use super::QuantMatrix;
 
 /// The product by the scalar reference dot products (llama.cpp's generic
 /// code as candle carries it), on the same 8-bit activations.
 fn reference(m: &QuantMatrix, x: &Tensor) -> Tensor {
-    fn rows<T: GgmlType>(w: &[T], m: &QuantMatrix, x: &[f32], batch: usize) -> Vec<f32> {
-        let per_row = m.cols / T::BLCK_SIZE;
-        let mut out = vec![0f32; batch * m.rows];
-        for r in 0..batch {
-            let mut q = vec![T::VecDotType::zeros(); per_row];
-            T::VecDotType::from_float(&x[r * m.cols..(r + 1) * m.cols], &mut q);
-            for o in 0..m.rows {
-                out[r * m.rows + o] =
-                    T::vec_dot_unopt(m.cols, &w[o * per_row..(o + 1) * per_row], &q);
-            }
-        }
-        out
-    }
     let batch = x.dim(0).unwrap();
     let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let out = match &m.blocks {
-        QuantBlocks::Q4_0(w) => rows(w, m, &xs, batch),
-        QuantBlocks::Q4_1(w) => rows(w, m, &xs, batch),
-        QuantBlocks::Q8_0(w) => rows(w, m, &xs, batch),
-        QuantBlocks::Q4K(w) => rows(w, m, &xs, batch),
-        QuantBlocks::Q5K(w) => rows(w, m, &xs, batch),
-        QuantBlocks::Q6K(w) => rows(w, m, &xs, batch),
-    };
+    let out = m.blocks.reference(m.shape(batch), &xs);
     Tensor::from_vec(out, (batch, m.rows), &Device::Cpu).unwrap()
+}
+
+fn quantize(weight: &Tensor, format: GgmlDType) -> Arc<QTensor> {
+    Arc::new(QTensor::quantize(weight, format).unwrap())
+}
+
+fn matrix(q: &Arc<QTensor>) -> QuantMatrix {
+    QuantMatrix::new(q.clone()).unwrap().unwrap()
 }
 
 const FORMATS: [GgmlDType; 6] = [
@@ -82,11 +70,11 @@ fn products_match_candle_and_the_float_product() {
     for format in FORMATS {
         for (rows, cols) in [(43, 256), (1536, 512), (266, 768)] {
             let weight = random((rows, cols), rows as u64 * 31 + cols as u64);
-            let q = QTensor::quantize(&weight, format).unwrap();
-            let ours = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
+            let q = quantize(&weight, format);
+            let ours = matrix(&q);
             let dense = q.dequantize(&Device::Cpu).unwrap();
-            let candle = QMatMul::from_qtensor(q).unwrap();
-            for batch in [1, 3, 16] {
+            let candle = QMatMul::from_arc(q).unwrap();
+            for batch in [1, 3, 6, 16] {
                 let x = random((batch, cols), batch as u64 + 7);
                 let got = ours.forward(&x).unwrap();
                 let want = candle.forward(&x).unwrap();
@@ -115,16 +103,14 @@ fn products_match_candle_and_the_float_product() {
 
 #[test]
 fn stacked_matrices_compute_their_parts() {
-    let parts: Vec<QTensor> = [(64, 256), (32, 256), (32, 256)]
+    let matrices: Vec<QuantMatrix> = [(64, 256), (32, 256), (32, 256)]
         .iter()
         .enumerate()
-        .map(|(i, &shape)| QTensor::quantize(&random(shape, i as u64), GgmlDType::Q4_1).unwrap())
+        .map(|(i, &shape)| matrix(&quantize(&random(shape, i as u64), GgmlDType::Q4_1)))
         .collect();
-    let matrices: Vec<QuantMatrix> = parts
-        .iter()
-        .map(|q| QuantMatrix::from_qtensor(q).unwrap().unwrap())
-        .collect();
-    let stacked = QuantMatrix::concat(&matrices.iter().collect::<Vec<_>>()).unwrap();
+    let stacked = QuantMatrix::concat(&matrices.iter().collect::<Vec<_>>())
+        .unwrap()
+        .unwrap();
     assert_eq!(stacked.rows(), 128);
     let x = random((5, 256), 99);
     let whole = stacked.forward(&x).unwrap();
@@ -137,18 +123,15 @@ fn stacked_matrices_compute_their_parts() {
         );
         at += m.rows();
     }
-    let other = QuantMatrix::from_qtensor(
-        &QTensor::quantize(&random((32, 256), 5), GgmlDType::Q8_0).unwrap(),
-    )
-    .unwrap()
-    .unwrap();
-    assert!(QuantMatrix::concat(&[&matrices[0], &other]).is_none());
+    let other = matrix(&quantize(&random((32, 256), 5), GgmlDType::Q8_0));
+    assert!(QuantMatrix::concat(&[&matrices[0], &other])
+        .unwrap()
+        .is_none());
 }
 
 /// A wrong-width input is an error, not a panic.
 #[test]
 fn a_wrong_width_is_refused() {
-    let q = QTensor::quantize(&random((32, 256), 1), GgmlDType::Q4_0).unwrap();
-    let m = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
+    let m = matrix(&quantize(&random((32, 256), 1), GgmlDType::Q4_0));
     assert!(m.forward(&random((2, 128), 2)).is_err());
 }
