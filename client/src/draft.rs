@@ -38,53 +38,82 @@ pub fn prompt_lookup(context: &[u32], k: usize) -> &[u32] {
 /// How many tokens to draft next: as many as pay for themselves.
 ///
 /// Each step updates how often a draft token is accepted and what a step
-/// costs (its time without drafts, and what each drafted token adds); the
-/// next length is the one with the most expected tokens per second, none
-/// when drafts cost more than they bring (a conversation that does not
-/// repeat itself, a chain whose step time grows with its rows). Until both
-/// costs are measured, the length follows transformers' "heuristic"
-/// schedule (all accepted: +2, a rejection: -1). After [`PROBE_EVERY`]
-/// steps without drafts the best nonzero length is tried again, so text
-/// that starts repeating is noticed.
+/// costs (its time without drafts, and what each drafted token adds:
+/// medians of the recent steps, so one slow step does not decide); the next
+/// length is the one with the most expected tokens per second, none when
+/// drafts cost more than they bring (a conversation that does not repeat
+/// itself, a chain whose step time grows with its rows). Until the costs are
+/// measured, for steps too short to time, and always when sampling (the
+/// draft lengths decide which random draws a seed's answer takes, so they
+/// must not depend on timing), the length follows transformers' "heuristic"
+/// schedule (all accepted: +2, a rejection: -1). After [`PROBE_EVERY`] steps
+/// without drafts the best nonzero length is tried again, so text that
+/// starts repeating is noticed.
 #[derive(Debug, Clone)]
 pub struct DraftLength {
     max: usize,
-    /// The heuristic schedule's length, used until the costs are known.
+    /// Whether step times may decide (greedy answers only).
+    timed: bool,
+    /// The heuristic schedule's length.
     schedule: usize,
     /// Draft tokens accepted, and tokens tried (each accepted one and the
     /// first rejected), decayed so that recent steps weigh most.
     accepted: f64,
     tried: f64,
-    /// Moving average of a step's seconds without drafts.
-    plain_step: Option<f64>,
-    /// Moving average of the seconds each drafted token adds to a step.
-    per_draft: Option<f64>,
+    /// Recent seconds of steps without drafts.
+    plain_steps: Recent,
+    /// Recent seconds each drafted token added to a step.
+    per_draft: Recent,
     /// Steps since the last one with drafts.
     without_drafts: usize,
 }
 
 /// Steps without drafts after which drafting is tried again.
 pub const PROBE_EVERY: usize = 16;
-/// Steps faster than this (seconds) are not weighed: their times are noise.
-const MEASURABLE_STEP: f64 = 0.5e-3;
-/// Weight of the newest measurement in the moving averages.
-const NEWEST: f64 = 0.25;
+/// Steps faster than this (seconds) are not weighed: a few milliseconds of
+/// jitter (a loopback swarm of a tiny model) would decide.
+const MEASURABLE_STEP: f64 = 5e-3;
 /// The acceptance counts keep this share of their past at each step.
 const KEEP: f64 = 0.9;
+/// Samples a cost needs before it is weighed.
+const MIN_SAMPLES: usize = 3;
 
-fn moving_average(old: Option<f64>, new: f64) -> f64 {
-    old.map_or(new, |old| old + NEWEST * (new - old))
+/// The last few samples of a time, and their median.
+#[derive(Debug, Clone, Default)]
+struct Recent(std::collections::VecDeque<f64>);
+
+impl Recent {
+    const KEPT: usize = 8;
+
+    fn push(&mut self, sample: f64) {
+        if self.0.len() == Self::KEPT {
+            self.0.pop_front();
+        }
+        self.0.push_back(sample);
+    }
+
+    fn median(&self) -> Option<f64> {
+        if self.0.len() < MIN_SAMPLES {
+            return None;
+        }
+        let mut sorted: Vec<f64> = self.0.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        Some(sorted[sorted.len() / 2])
+    }
 }
 
 impl DraftLength {
-    pub fn new(max: usize) -> Self {
+    /// At most `max` drafts; `timed`: whether step costs may decide (only
+    /// where the answer does not depend on the lengths: greedy).
+    pub fn new(max: usize, timed: bool) -> Self {
         DraftLength {
             max,
+            timed,
             schedule: max,
             accepted: 1.0,
             tried: 2.0,
-            plain_step: None,
-            per_draft: None,
+            plain_steps: Recent::default(),
+            per_draft: Recent::default(),
             without_drafts: 0,
         }
     }
@@ -103,7 +132,8 @@ impl DraftLength {
     }
 
     pub fn get(&self) -> usize {
-        let (Some(plain), Some(per_draft)) = (self.plain_step, self.per_draft) else {
+        let costs = (self.plain_steps.median(), self.per_draft.median());
+        let (true, (Some(plain), Some(per_draft))) = (self.timed, costs) else {
             return self.schedule;
         };
         if plain < MEASURABLE_STEP {
@@ -129,7 +159,7 @@ impl DraftLength {
     /// `accepted` of them and took `seconds`.
     pub fn record(&mut self, drafted: usize, accepted: usize, seconds: f64) {
         if drafted == 0 {
-            self.plain_step = Some(moving_average(self.plain_step, seconds));
+            self.plain_steps.push(seconds);
             self.without_drafts += 1;
             return;
         }
@@ -137,9 +167,10 @@ impl DraftLength {
         let rejected = usize::from(accepted < drafted);
         self.accepted = self.accepted * KEEP + accepted as f64;
         self.tried = self.tried * KEEP + (accepted + rejected) as f64;
-        if let Some(plain) = self.plain_step {
-            let extra = ((seconds - plain) / drafted as f64).max(0.0);
-            self.per_draft = Some(moving_average(self.per_draft, extra));
+        if let Some(plain) = self.plain_steps.median() {
+            // A drafted row costs at most what a whole step does.
+            let extra = ((seconds - plain) / drafted as f64).clamp(0.0, plain);
+            self.per_draft.push(extra);
         }
         self.schedule = if accepted == drafted {
             (self.schedule + 2).min(self.max)
@@ -240,7 +271,7 @@ mod tests {
 
     #[test]
     fn draft_length_follows_the_schedule_until_costs_are_known() {
-        let mut length = DraftLength::new(6);
+        let mut length = DraftLength::new(6, true);
         length.record(6, 2, 0.01);
         assert_eq!(length.get(), 5);
         for _ in 0..10 {
@@ -258,8 +289,10 @@ mod tests {
     /// again every `PROBE_EVERY` steps.
     #[test]
     fn drafts_stop_when_they_do_not_pay() {
-        let mut length = DraftLength::new(6);
-        length.record(0, 0, 0.010);
+        let mut length = DraftLength::new(6, true);
+        for _ in 0..3 {
+            length.record(0, 0, 0.010);
+        }
         for _ in 0..8 {
             let k = length.get().max(1);
             length.record(k, 0, 0.010 + 0.002 * k as f64);
@@ -277,15 +310,29 @@ mod tests {
     /// each costs as much as a step, only near-certain ones pay.
     #[test]
     fn drafts_run_long_when_accepted_and_cheap() {
-        let mut length = DraftLength::new(6);
-        length.record(0, 0, 0.010);
+        let mut length = DraftLength::new(6, true);
+        for _ in 0..3 {
+            length.record(0, 0, 0.010);
+        }
         for _ in 0..10 {
             let k = length.get().max(1);
             length.record(k, k, 0.010 + 0.0002 * k as f64);
         }
         assert_eq!(length.get(), 6);
-        let mut costly = DraftLength::new(6);
-        costly.record(0, 0, 0.010);
+        // Sampling: the schedule alone, whatever the times say.
+        let mut sampled = DraftLength::new(6, false);
+        for _ in 0..3 {
+            sampled.record(0, 0, 0.010);
+        }
+        for _ in 0..10 {
+            let k = sampled.get().max(1);
+            sampled.record(k, 0, 0.010 + 0.010 * k as f64);
+        }
+        assert_eq!(sampled.get(), 1);
+        let mut costly = DraftLength::new(6, true);
+        for _ in 0..3 {
+            costly.record(0, 0, 0.010);
+        }
         for _ in 0..10 {
             let k = costly.get().max(1);
             costly.record(k, k / 2, 0.010 + 0.010 * k as f64);

@@ -236,7 +236,9 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
     let mut prefill_time = Duration::ZERO;
     let mut stop_reason = StopReason::MaxNewTokens;
     let (mut steps, mut drafted, mut accepted) = (0, 0, 0);
-    let mut draft_length = DraftLength::new(request.drafts);
+    // Timing may shorten drafts only where it cannot change the answer.
+    let greedy = request.sampling.temperature == 0.0;
+    let mut draft_length = DraftLength::new(request.drafts, greedy);
     // The tokens the caches lack (the last one sampled, after the prefill),
     // fed at `position`; drafts follow them in the same step.
     let mut input = prompt[reused..].to_vec();
