@@ -195,6 +195,127 @@ pub fn prompts(count: usize) -> Vec<String> {
         .collect()
 }
 
+/// One prompt's reference logits (`[positions, vocab]`): what another
+/// computation of the same positions is held to.
+struct Reference {
+    logits: Tensor,
+    top: Vec<u32>,
+    /// Each position's standard deviation of the logits.
+    std: Tensor,
+}
+
+impl Reference {
+    fn new(logits: Tensor) -> anyhow::Result<Self> {
+        let top = logits.argmax(1)?.to_vec1::<u32>()?;
+        let std = logits
+            .broadcast_sub(&logits.mean_keepdim(1)?)?
+            .sqr()?
+            .mean_keepdim(1)?
+            .sqrt()?;
+        Ok(Reference { logits, top, std })
+    }
+}
+
+/// A computation's figures as prompts are added.
+struct Tally {
+    figures: WireQuality,
+    agreeing: usize,
+    error_sum: f64,
+}
+
+impl Tally {
+    fn new(format: WireFormat) -> Self {
+        Tally {
+            figures: WireQuality {
+                format,
+                prompts: 0,
+                positions: 0,
+                top_token_agreement: 0.0,
+                max_logit_error: 0.0,
+                mean_logit_error: 0.0,
+                identical_answers: 0,
+            },
+            agreeing: 0,
+            error_sum: 0.0,
+        }
+    }
+
+    /// One prompt: `logits` of the reference's positions, and whether the
+    /// greedy answer was the reference's.
+    fn add(
+        &mut self,
+        reference: &Reference,
+        logits: Tensor,
+        same_answer: bool,
+    ) -> anyhow::Result<()> {
+        let top = logits.argmax(1)?.to_vec1::<u32>()?;
+        self.agreeing += top
+            .iter()
+            .zip(&reference.top)
+            .filter(|(a, b)| a == b)
+            .count();
+        let error = (logits - &reference.logits)?
+            .abs()?
+            .max_keepdim(1)?
+            .broadcast_div(&reference.std)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let f = &mut self.figures;
+        f.prompts += 1;
+        f.positions += error.len();
+        f.max_logit_error = error
+            .iter()
+            .fold(f.max_logit_error, |m, e| m.max(f64::from(*e)));
+        self.error_sum += error.iter().map(|e| f64::from(*e)).sum::<f64>();
+        f.identical_answers += usize::from(same_answer);
+        Ok(())
+    }
+
+    fn finish(mut self) -> WireQuality {
+        let positions = self.figures.positions.max(1) as f64;
+        self.figures.top_token_agreement = self.agreeing as f64 / positions;
+        self.figures.mean_logit_error = self.error_sum / positions;
+        self.figures
+    }
+}
+
+/// A prompt, its greedy answer on the reference model, and the positions
+/// teacher forcing compares: the prompt and the answer but its last token
+/// (`ids`), from the prompt's last position (`from`) on.
+struct Forced {
+    prompt: Vec<u32>,
+    answer: Vec<u32>,
+    ids: Vec<u32>,
+    from: usize,
+}
+
+impl Forced {
+    fn new(model: &SplitModel, text: &str, new_tokens: usize) -> anyhow::Result<Self> {
+        let prompt = model.part.tokenizer.encode(text)?;
+        let answer = model.greedy(&prompt, new_tokens, None)?;
+        let mut ids = prompt.clone();
+        ids.extend_from_slice(&answer[..new_tokens - 1]);
+        let from = prompt.len() - 1;
+        Ok(Forced {
+            prompt,
+            answer,
+            ids,
+            from,
+        })
+    }
+
+    /// `model`'s logits of the compared positions, with hidden states
+    /// crossing `wire`.
+    fn logits(&self, model: &SplitModel, wire: Option<WireFormat>) -> anyhow::Result<Tensor> {
+        Ok(model.logits(&self.ids, wire)?.i(self.from..)?)
+    }
+
+    /// Whether `model`'s greedy answer is the reference's.
+    fn same_answer(&self, model: &SplitModel, wire: Option<WireFormat>) -> anyhow::Result<bool> {
+        Ok(model.greedy(&self.prompt, self.answer.len(), wire)? == self.answer)
+    }
+}
+
 /// Measures `formats` on `count` prompts with `new_tokens` greedy tokens each.
 pub fn measure(
     model: &Path,
@@ -203,61 +324,20 @@ pub fn measure(
     formats: &[WireFormat],
 ) -> anyhow::Result<Vec<WireQuality>> {
     let split = SplitModel::open(model)?;
-    let mut figures: Vec<WireQuality> = formats
-        .iter()
-        .map(|&format| WireQuality {
-            format,
-            prompts: 0,
-            positions: 0,
-            top_token_agreement: 0.0,
-            max_logit_error: 0.0,
-            mean_logit_error: 0.0,
-            identical_answers: 0,
-        })
-        .collect();
-    let mut agreeing = vec![0usize; formats.len()];
-    let mut error_sum = vec![0f64; formats.len()];
+    let mut tallies: Vec<Tally> = formats.iter().map(|&f| Tally::new(f)).collect();
     for text in prompts(count) {
-        let prompt = split.part.tokenizer.encode(&text)?;
-        let answer = split.greedy(&prompt, new_tokens, None)?;
-        let mut forced = prompt.clone();
-        forced.extend_from_slice(&answer[..new_tokens - 1]);
-        let from = prompt.len() - 1;
-        let reference = split.logits(&forced, None)?.i(from..)?;
-        let ref_top = reference.argmax(1)?.to_vec1::<u32>()?;
-        let ref_std = reference
-            .broadcast_sub(&reference.mean_keepdim(1)?)?
-            .sqr()?
-            .mean_keepdim(1)?
-            .sqrt()?;
-        for (i, &format) in formats.iter().enumerate() {
-            let logits = split.logits(&forced, Some(format))?.i(from..)?;
-            let top = logits.argmax(1)?.to_vec1::<u32>()?;
-            agreeing[i] += top.iter().zip(&ref_top).filter(|(a, b)| a == b).count();
-            let error = (logits - &reference)?
-                .abs()?
-                .max_keepdim(1)?
-                .broadcast_div(&ref_std)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let f = &mut figures[i];
-            f.prompts += 1;
-            f.positions += error.len();
-            f.max_logit_error = error
-                .iter()
-                .fold(f.max_logit_error, |m, e| m.max(f64::from(*e)));
-            error_sum[i] += error.iter().map(|e| f64::from(*e)).sum::<f64>();
-            if split.greedy(&prompt, new_tokens, Some(format))? == answer {
-                f.identical_answers += 1;
-            }
+        let forced = Forced::new(&split, &text, new_tokens)?;
+        let reference = Reference::new(forced.logits(&split, None)?)?;
+        for (tally, &format) in tallies.iter_mut().zip(formats) {
+            let logits = forced.logits(&split, Some(format))?;
+            tally.add(
+                &reference,
+                logits,
+                forced.same_answer(&split, Some(format))?,
+            )?;
         }
     }
-    for (i, f) in figures.iter_mut().enumerate() {
-        let positions = f.positions.max(1) as f64;
-        f.top_token_agreement = agreeing[i] as f64 / positions;
-        f.mean_logit_error = error_sum[i] / positions;
-    }
-    Ok(figures)
+    Ok(tallies.into_iter().map(Tally::finish).collect())
 }
 
 /// The figures as a Markdown table.
@@ -322,52 +402,17 @@ pub fn measure_kept_quantized(
 ) -> anyhow::Result<WireQuality> {
     let float = SplitModel::open_with(model, QuantizedWeights::Dequantize)?;
     let kept = SplitModel::open_with(model, QuantizedWeights::Keep)?;
-    let mut f = WireQuality {
-        format: WireFormat::F32,
-        prompts: 0,
-        positions: 0,
-        top_token_agreement: 0.0,
-        max_logit_error: 0.0,
-        mean_logit_error: 0.0,
-        identical_answers: 0,
-    };
-    let (mut agreeing, mut error_sum) = (0usize, 0f64);
+    let mut tally = Tally::new(WireFormat::F32);
     for text in prompts(count) {
-        let prompt = float.part.tokenizer.encode(&text)?;
-        let answer = float.greedy(&prompt, new_tokens, None)?;
-        let mut forced = prompt.clone();
-        forced.extend_from_slice(&answer[..new_tokens - 1]);
-        let from = prompt.len() - 1;
-        let reference = float.logits(&forced, None)?.i(from..)?;
-        let ref_top = reference.argmax(1)?.to_vec1::<u32>()?;
-        let ref_std = reference
-            .broadcast_sub(&reference.mean_keepdim(1)?)?
-            .sqr()?
-            .mean_keepdim(1)?
-            .sqrt()?;
-        let logits = kept.logits(&forced, None)?.i(from..)?;
-        let top = logits.argmax(1)?.to_vec1::<u32>()?;
-        agreeing += top.iter().zip(&ref_top).filter(|(a, b)| a == b).count();
-        let error = (logits - &reference)?
-            .abs()?
-            .max_keepdim(1)?
-            .broadcast_div(&ref_std)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        f.prompts += 1;
-        f.positions += error.len();
-        f.max_logit_error = error
-            .iter()
-            .fold(f.max_logit_error, |m, e| m.max(f64::from(*e)));
-        error_sum += error.iter().map(|e| f64::from(*e)).sum::<f64>();
-        if kept.greedy(&prompt, new_tokens, None)? == answer {
-            f.identical_answers += 1;
-        }
+        let forced = Forced::new(&float, &text, new_tokens)?;
+        let reference = Reference::new(forced.logits(&float, None)?)?;
+        tally.add(
+            &reference,
+            forced.logits(&kept, None)?,
+            forced.same_answer(&kept, None)?,
+        )?;
     }
-    let positions = f.positions.max(1) as f64;
-    f.top_token_agreement = agreeing as f64 / positions;
-    f.mean_logit_error = error_sum / positions;
-    Ok(f)
+    Ok(tally.finish())
 }
 
 pub const KEPT_QUANTIZED_HEADING: &str =

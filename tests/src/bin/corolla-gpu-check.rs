@@ -287,15 +287,24 @@ fn span_70b(gpu: &Device, layers: usize) -> Result<String> {
         written,
         loaded.saturating_sub(written),
     );
+    section.push_str(&decode_rows(gpu, &span, floor)?);
+    Ok(section)
+}
+
+/// Table rows: one and 8 sessions' decode step on `span` after a 512-token
+/// prompt, against `floor` (seconds to read the weights once).
+fn decode_rows(gpu: &Device, span: &BlockSpan, floor: f64) -> Result<String> {
+    let hidden = span.config().hidden_size;
+    let mut rows = String::new();
     for b in [1usize, 8] {
         let mut caches = (0..b)
             .map(|_| span.new_cache(1024))
             .collect::<corolla_model::Result<Vec<_>>>()?;
-        let prompt = Tensor::randn(0f32, 1.0, (1, 512, spec.hidden_size), gpu)?;
+        let prompt = Tensor::randn(0f32, 1.0, (1, 512, hidden), gpu)?;
         for c in caches.iter_mut() {
             span.forward(&prompt, 0, c)?;
         }
-        let x = Tensor::randn(0f32, 1.0, (1, 1, spec.hidden_size), gpu)?;
+        let x = Tensor::randn(0f32, 1.0, (1, 1, hidden), gpu)?;
         let per_step = time_steps(gpu, 20, |i| {
             if b == 1 {
                 span.forward(&x, 512 + i, &mut caches[0])?;
@@ -306,14 +315,14 @@ fn span_70b(gpu: &Device, layers: usize) -> Result<String> {
             }
             Ok(())
         })?;
-        section.push_str(&format!(
+        rows.push_str(&format!(
             "| {b} | 512 | {:.3} | {:.2}x |\n",
             per_step * 1e3,
             per_step / floor
         ));
     }
-    section.push('\n');
-    Ok(section)
+    rows.push('\n');
+    Ok(rows)
 }
 
 /// The same Llama-2-70B-shaped blocks as a Q4_K GGUF kept quantized (what
@@ -334,7 +343,6 @@ fn span_70b_kept_quantized(gpu: &Device, layers: usize) -> Result<String> {
     // Q4_K: 144 bytes per 256 weights.
     let bytes = ck.config().block_parameters() as f64 * layers as f64 * 144.0 / 256.0;
     let floor = bytes / BANDWIDTH_BYTES_PER_S;
-    let hidden = ck.config().hidden_size;
     let mut section = format!(
         "## The same span as Q4_K kept quantized ({layers} blocks, candle's CUDA kernels)\n\n\
          Weights {:.2} GB; memory floor {:.3} ms per step (GGUF written in {:.0?}, loaded by {:.0?}).\n\n\
@@ -344,31 +352,6 @@ fn span_70b_kept_quantized(gpu: &Device, layers: usize) -> Result<String> {
         written,
         loaded.saturating_sub(written),
     );
-    for b in [1usize, 8] {
-        let mut caches = (0..b)
-            .map(|_| span.new_cache(1024))
-            .collect::<corolla_model::Result<Vec<_>>>()?;
-        let prompt = Tensor::randn(0f32, 1.0, (1, 512, hidden), gpu)?;
-        for c in caches.iter_mut() {
-            span.forward(&prompt, 0, c)?;
-        }
-        let x = Tensor::randn(0f32, 1.0, (1, 1, hidden), gpu)?;
-        let per_step = time_steps(gpu, 20, |i| {
-            if b == 1 {
-                span.forward(&x, 512 + i, &mut caches[0])?;
-            } else {
-                let mut steps: Vec<_> =
-                    caches.iter_mut().map(|c| (x.clone(), 512 + i, c)).collect();
-                span.forward_decode_batch(&mut steps)?;
-            }
-            Ok(())
-        })?;
-        section.push_str(&format!(
-            "| {b} | 512 | {:.3} | {:.2}x |\n",
-            per_step * 1e3,
-            per_step / floor
-        ));
-    }
-    section.push('\n');
+    section.push_str(&decode_rows(gpu, &span, floor)?);
     Ok(section)
 }
