@@ -225,18 +225,10 @@ pub fn matching_servers(
             other_compute: Vec::new(),
         };
     }
-    let covered = |servers: &[ServerRecord]| {
-        let layers = servers.iter().map(|r| r.end as usize).max().unwrap_or(0);
-        layers
-            - uncovered_blocks(servers, layers)
-                .iter()
-                .map(|(a, b)| b - a)
-                .sum::<usize>()
-    };
     let expects_quantized = expected
         .and_then(|e| e.first())
         .is_some_and(|h| keeps_quantized(h));
-    let prefer_quantized = match covered(&quantized).cmp(&covered(&dequantized)) {
+    let prefer_quantized = match blocks_held(&quantized).cmp(&blocks_held(&dequantized)) {
         std::cmp::Ordering::Greater => true,
         std::cmp::Ordering::Less => false,
         std::cmp::Ordering::Equal => expects_quantized,
@@ -256,6 +248,22 @@ pub fn matching_servers(
         chosen,
         other_compute,
     }
+}
+
+/// How many blocks at least one of `servers` holds: the union of their
+/// ranges, counted without allocating by what a record claims.
+fn blocks_held(servers: &[ServerRecord]) -> u64 {
+    let mut ranges: Vec<(u32, u32)> = servers.iter().map(|r| (r.start, r.end)).collect();
+    ranges.sort_unstable();
+    let (mut held, mut reached) = (0u64, 0u32);
+    for (start, end) in ranges {
+        let start = start.max(reached);
+        if end > start {
+            held += u64::from(end - start);
+            reached = end;
+        }
+    }
+    held
 }
 
 #[cfg(test)]
@@ -425,6 +433,18 @@ mod tests {
         let chosen: Vec<&str> = matched.chosen.iter().map(|r| r.peer_id.as_str()).collect();
         assert_eq!(chosen, ["a", "b"]);
         assert_eq!(matched.other_compute.len(), 1);
+    }
+
+    /// A record claiming blocks up to u32::MAX costs nothing to weigh.
+    #[test]
+    fn claimed_ranges_are_counted_without_allocating_by_them() {
+        let mut huge = kept_quantized(record("a", 0, 4));
+        huge.end = u32::MAX;
+        let records = vec![huge, record("b", 0, 8), record("c", 2, 6)];
+        assert_eq!(blocks_held(&records[1..]), 8);
+        let matched = matching_servers(records, None);
+        assert_eq!(matched.chosen[0].peer_id, "a");
+        assert_eq!(matched.other_compute.len(), 2);
     }
 
     #[test]

@@ -378,13 +378,13 @@ impl SwarmView {
         reasons.sort();
         reasons.dedup();
         if let ClientError::NoRoute { uncovered } = &error {
-            let other_covers = uncovered_blocks(&state.other_compute, to).len() < uncovered.len()
-                || uncovered.iter().any(|&(a, _)| {
-                    state
-                        .other_compute
-                        .iter()
-                        .any(|r| (r.start..r.end).contains(&(a as u32)))
-                });
+            // Servers of the other quantization hold part of a gap.
+            let other_covers = uncovered.iter().any(|&(a, b)| {
+                state
+                    .other_compute
+                    .iter()
+                    .any(|r| (r.start as usize) < b && (r.end as usize) > a)
+            });
             if other_covers {
                 let kept = state
                     .other_compute

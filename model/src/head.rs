@@ -45,9 +45,10 @@ impl ClientHead {
         // A tied table kept quantized is multiplied from its stored blocks,
         // as llama.cpp does (a quarter of the bytes a dense one reads per
         // token); rows are dequantized as tokens need them.
-        let tied_quantized = match tied {
-            true => w.get_quantized(EMBED_TOKENS, &[v, h])?,
-            false => None,
+        let tied_quantized = if tied {
+            w.get_quantized(EMBED_TOKENS, &[v, h])?
+        } else {
+            None
         };
         if tied && tied_quantized.is_none() {
             // Tied and dense: the embeddings are at hand, and multiplying by
