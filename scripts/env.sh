@@ -20,14 +20,33 @@ if clippy_driver=$(rustup which clippy-driver 2>/dev/null) || clippy_driver=$(co
 fi
 unset clippy_driver
 
-# Every change to a crate leaves a new hash-named test binary (hundreds of MB)
-# in the shared cache, and cargo never removes the old ones: over many
-# sessions they filled the disk and a link died of SIGBUS. Binaries not
-# relinked for two days go (cargo relinks any it still needs).
+# Every build from a new clone path, and every change to a crate, leaves new
+# hash-named artifacts of the workspace's crates in the shared cache (test
+# binaries of hundreds of MB, incremental state of up to a GB per crate),
+# and cargo never removes the old ones. Over many sessions they filled the
+# disk: a link died of SIGBUS, and with under ~3 GB free Chromium's Cache API
+# refuses the page's model head, so the browser tests' warm loads download it
+# again. Keep the two newest of each workspace artifact and the newest
+# incremental state of each crate (cargo rebuilds anything else it needs).
 prune_build_cache() {
-    local deps="$CARGO_TARGET_DIR/debug/deps"
-    [ -d "$deps" ] || return 0
-    find "$deps" -maxdepth 1 -type f -executable ! -name '*.so' -mtime +2 -delete 2>/dev/null || true
+    local debug="$CARGO_TARGET_DIR/debug"
+    [ -d "$debug/deps" ] || return 0
+    keep_newest 2 "$debug/deps" -maxdepth 1 -type f \( -executable ! -name '*.so' -o -name 'libcorolla*' -o -name 'corolla*' \)
+    [ -d "$debug/incremental" ] && keep_newest 1 "$debug/incremental" -mindepth 1 -maxdepth 1 -type d
+    return 0
+}
+
+# keep_newest N DIR FIND-ARGS...: of the entries named STEM-HASH[.EXT] that
+# FIND-ARGS select, keep the N newest of each STEM[.EXT] and delete the rest.
+keep_newest() {
+    local keep="$1" dir="$2"
+    shift 2
+    find "$dir" "$@" -printf '%T@ %p\n' 2>/dev/null | sort -rn | awk -v keep="$keep" '{
+        path = $2; name = path; sub(/.*\//, "", name)
+        group = name; sub(/-[0-9a-z]+(\.[a-z]+)?$/, "", group)
+        ext = ""; if (match(name, /\.[a-z]+$/)) ext = substr(name, RSTART)
+        if (++seen[group ext] > keep) print path
+    }' | xargs -r rm -rf
 }
 
 # The one native build every script uses: all crates, binaries and tests.

@@ -45,6 +45,14 @@ step "web page (trunk: corolla-wasm in release, linted as it builds; wasm-opt)"
 build_web
 
 step "tests"
+# With little disk left Chromium's Cache API refuses the page's 600-700 MB
+# model heads (its quota keeps ~2 GB free), and the browser tests' warm loads
+# fail on bytes downloaded again: say so now rather than after 20 minutes.
+free_mb=$(df -Pm "$CARGO_TARGET_DIR" | awk 'NR == 2 {print $4}')
+if [ "$free_mb" -lt 4096 ]; then
+    echo "only ${free_mb} MB free on the disk of $CARGO_TARGET_DIR; the browser tests need 4 GB (Chromium's cache quota)" >&2
+    exit 1
+fi
 # The browser and API tests fail, rather than skip, if Chromium, the page or
 # the openai package is missing.
 COROLLA_REQUIRE_BROWSER=1 COROLLA_REQUIRE_OPENAI=1 COROLLA_REQUIRE_NETNS=1 cargo test --workspace --locked
