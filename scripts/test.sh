@@ -55,7 +55,19 @@ if [ "$free_mb" -lt 4096 ]; then
 fi
 # The browser and API tests fail, rather than skip, if Chromium, the page or
 # the openai package is missing.
+corolla_processes() { { pgrep -x corolla-server; pgrep -x corolla; } | sort || true; }
+before_tests=$(corolla_processes)
 COROLLA_REQUIRE_BROWSER=1 COROLLA_REQUIRE_OPENAI=1 COROLLA_REQUIRE_NETNS=1 cargo test --workspace --locked
+# Every test kills what it started, inside namespaces too; a server that
+# outlived its test would hold ports and cores for whatever runs next.
+sleep 1
+outlived=$(comm -13 <(echo "$before_tests") <(corolla_processes))
+if [ -n "$outlived" ]; then
+    echo "processes the tests started are still running:" >&2
+    for pid in $outlived; do ps -o pid=,args= -p "$pid" >&2 || true; done
+    kill -9 $outlived 2>/dev/null || true
+    exit 1
+fi
 
 step "fuzzing: each cargo-fuzz target for 30 s (when a nightly toolchain is present)"
 bash scripts/fuzz.sh --seconds 30

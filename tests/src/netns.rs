@@ -198,7 +198,8 @@ impl Drop for Namespace {
     }
 }
 
-/// A server started in the namespace, with what its addr file says.
+/// A server started in the namespace, with what its addr file says; killed
+/// when dropped (a test that fails or panics included).
 pub struct NetnsServer {
     child: Child,
     pub start: usize,
@@ -296,11 +297,12 @@ impl NetnsServer {
 
 /// A network namespace with a veth pair to this one and the servers in it.
 pub struct NetnsSwarm {
+    // Dropped first: the servers live in the namespace.
+    pub servers: Vec<NetnsServer>,
     ns: Namespace,
     pub host_ip: String,
     pub inner_ip: String,
     dir: tempfile::TempDir,
-    pub servers: Vec<NetnsServer>,
 }
 
 impl NetnsSwarm {
@@ -356,12 +358,10 @@ impl NetnsSwarm {
     }
 }
 
-impl Drop for NetnsSwarm {
+impl Drop for NetnsServer {
     fn drop(&mut self) {
-        // Before the namespace goes (with `ns`, after this).
-        for server in &mut self.servers {
-            server.kill();
-        }
+        // `ip netns exec` execs the server, so this pid is the server's.
+        self.kill();
     }
 }
 

@@ -117,7 +117,8 @@ impl Drop for NoForwarding {
     }
 }
 
-/// One server of the world, in its own namespace behind its forwarder.
+/// One server of the world, in its own namespace behind its forwarder;
+/// killed when dropped.
 pub struct WanServer {
     child: Child,
     pub start: usize,
@@ -588,12 +589,10 @@ impl WanWorld {
     }
 }
 
-impl Drop for WanWorld {
+impl Drop for WanServer {
     fn drop(&mut self) {
-        // Before their namespaces go (each server's drops after this).
-        for server in &mut self.servers {
-            server.kill();
-        }
+        // Before its namespace goes (a field, dropped after this).
+        self.kill();
     }
 }
 

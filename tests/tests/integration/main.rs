@@ -1,0 +1,28 @@
+//! Every cross-crate test that can share the machine, one module per area,
+//! in one binary: each test binary links the whole stack (servers, client,
+//! model, libp2p), and 19 of them took most of a fresh machine's test build.
+//! The browser, WAN and NAT tests stay binaries of their own: their figures
+//! and timeouts assume no other test's servers compete for the two cores, and
+//! the WAN and NAT worlds change the host's forwarding.
+//!
+//! One area's tests: `cargo test -p corolla-tests --test integration trust::`.
+
+mod api;
+mod default_model;
+mod drafts;
+mod engine;
+mod errors;
+mod faults;
+mod fetch;
+mod flow;
+mod gguf;
+mod gguf_tiny;
+mod golden;
+mod http;
+mod metrics;
+mod monitor;
+mod protocol;
+mod swarm;
+mod trust;
+mod webrtc;
+mod wire_quality;
