@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Builds `corolla-server --features cuda` on a machine without a GPU or a CUDA
 # install: nvcc, headers and libraries come from NVIDIA's CUDA 13.0 wheels on
-# PyPI (the lent H200 runs driver 580 = CUDA 13.0; cudarc 0.19 rejects nvcc
+# PyPI (13.0 for NVIDIA driver 580, e.g. on an H200; cudarc 0.19 rejects nvcc
 # above 13.4). Everything it makes lives outside the clone, under
 # ~/.cache/corolla/cuda (override with COROLLA_CUDA_CACHE). Never run by CI.
 #
 #   scripts/cuda.sh              build (idempotent; a warm rebuild takes seconds)
 #   scripts/cuda.sh --stage DIR  build, then put corolla-gpu-check (stripped,
-#                                xz-compressed) into DIR for the device tool to carry
+#                                xz-compressed) into DIR, to copy to a CUDA machine
 #   scripts/cuda.sh --env        print the environment a shell needs to run it
 #
 # The binaries land in $COROLLA_CUDA_CACHE/target/release: corolla-server and
-# corolla-gpu-check (what scripts/gpu-check.sh runs on a lent GPU machine).
+# corolla-gpu-check (what scripts/gpu-check.sh runs on a CUDA machine).
 set -euo pipefail
 
 cache="${COROLLA_CUDA_CACHE:-$HOME/.cache/corolla/cuda}"
@@ -105,8 +105,8 @@ say "in $(( $(date +%s) - started )) s"
 if [ "${1:-}" = "--stage" ]; then
     stage="${2:?--stage needs a folder}"
     mkdir -p "$stage"
-    # Stripped it is ~77 MB, over what the device tool carries (64 MiB);
-    # compressed ~13 MB. gpu-check.sh unpacks it there.
+    # Stripped it is ~77 MB; compressed ~13 MB, a small copy to the CUDA
+    # machine. gpu-check.sh unpacks it there.
     tmp="$(mktemp)"
     cp "$CARGO_TARGET_DIR/release/corolla-gpu-check" "$tmp"
     strip "$tmp"

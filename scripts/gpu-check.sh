@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The checks a lent GPU machine is asked, in one call of under 8 minutes,
-# run from the repository root there (it has no network):
+# The checks for a CUDA machine, in one run of under 8 minutes, from the
+# repository root there (it needs no network):
 #
-#   here:   bash scripts/cuda.sh --stage gpu-bin     # build, copy the binary into gpu-bin/
-#   device: run(command="bash scripts/gpu-check.sh", carry=["gpu-bin"], timeout_s=540)
+#   build machine: bash scripts/cuda.sh --stage gpu-bin   # build, copy the binary into gpu-bin/
+#   CUDA machine:  bash scripts/gpu-check.sh              # in a copy of the clone, gpu-bin/ included
 #
 # It reuses gpu-bin/corolla-gpu-check(.xz) (or $COROLLA_GPU_CHECK), or builds it
 # when that machine has cargo and nvcc. The report (Markdown) goes to
-# $OUT/gpu-check.md and stdout: golden tokens on --device cuda (f32), f16/bf16
-# logits against f32, batched decode, and a Llama-2-70B-shaped span's decode
-# step against the memory floor. Never run by CI.
+# $OUT/gpu-check.md ($OUT: the current folder if unset) and stdout: golden
+# tokens on --device cuda (f32), f16/bf16 logits against f32, batched decode,
+# and a Llama-2-70B-shaped span's decode step against the memory floor. Never
+# run by CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,7 +33,7 @@ if [ ! -x "$bin" ]; then
         bin="${CARGO_TARGET_DIR:-target}/release/corolla-gpu-check"
     else
         echo "[gpu-check] no binary at $bin and no cargo+nvcc to build one:" >&2
-        echo "[gpu-check] run 'bash scripts/cuda.sh --stage gpu-bin' on the build machine and carry gpu-bin" >&2
+        echo "[gpu-check] run 'bash scripts/cuda.sh --stage gpu-bin' on the build machine and copy gpu-bin/ here" >&2
         exit 2
     fi
 fi

@@ -179,8 +179,9 @@ pub struct ServerArgs {
     /// File holding this server's key, created if absent, for a stable peer id.
     #[arg(long, env = "COROLLA_IDENTITY")]
     pub identity: Option<PathBuf>,
-    /// Start even when the identity file (or its `.webrtc.pem`) is
-    /// readable by other users; by default such a key is refused.
+    /// Start even when the identity file (or the WebRTC certificate beside
+    /// it, `NAME.webrtc.pem` for `NAME.key`) is readable by other users; by
+    /// default such a key is refused.
     #[arg(long, env = "COROLLA_ALLOW_SHARED_IDENTITY")]
     pub allow_shared_identity: bool,
     /// Longest session (prompt plus generated tokens) accepted.
@@ -347,14 +348,14 @@ impl ServerArgs {
     }
 
     /// Parses the process's arguments, with environment and config file.
-    pub fn from_env() -> Result<Self, String> {
+    pub fn from_env() -> Result<Self, ArgsError> {
         let args: Vec<String> = std::env::args().collect();
         Self::from_args_and_file(args)
     }
 
     /// Parses `args` after loading the config file they (or the
     /// environment) name into `COROLLA_*` variables not already set.
-    pub fn from_args_and_file(args: Vec<String>) -> Result<Self, String> {
+    pub fn from_args_and_file(args: Vec<String>) -> Result<Self, ArgsError> {
         let config = args
             .iter()
             .position(|a| a == "--config")
@@ -367,16 +368,38 @@ impl ServerArgs {
         if let Some(path) = config {
             apply_config_file(Path::new(&path))?;
         }
-        Self::try_parse_from(args).map_err(|e| e.to_string())
+        Ok(Self::try_parse_from(args)?)
     }
 }
 
-fn apply_config_file(path: &Path) -> Result<(), String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e| format!("config file {} is not valid TOML: {e}", path.display()))?;
+/// Why the server's settings could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ArgsError {
+    #[error("cannot read config file {}: {source}", path.display())]
+    ReadConfig {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {} is not valid TOML: {source}", path.display())]
+    ConfigToml {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    /// Bad flags, and also `--help` and `--version`: `clap::Error::exit`
+    /// prints those to stdout and exits 0.
+    #[error(transparent)]
+    Flags(#[from] clap::Error),
+}
+
+fn apply_config_file(path: &Path) -> Result<(), ArgsError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ArgsError::ReadConfig {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let table: toml::Table = text.parse().map_err(|source| ArgsError::ConfigToml {
+        path: path.to_path_buf(),
+        source,
+    })?;
     for (key, value) in table {
         let var = format!("COROLLA_{}", key.replace('-', "_").to_uppercase());
         let value = match value {

@@ -37,7 +37,8 @@ pub fn load_or_create_keypair(
     Ok(key)
 }
 
-/// The WebRTC certificate beside the identity file (`FILE.webrtc.pem`), or a fresh one.
+/// The WebRTC certificate beside the identity file (its name with the
+/// extension replaced: `identity.key` -> `identity.webrtc.pem`), or a fresh one.
 pub fn load_or_create_certificate(
     identity: Option<&Path>,
     allow_shared: bool,

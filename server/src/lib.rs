@@ -27,7 +27,7 @@ mod session;
 mod tls;
 
 pub use compute::ComputeFigures;
-pub use config::{BlockRange, ServerArgs};
+pub use config::{ArgsError, BlockRange, ServerArgs};
 pub use error::ServerError;
 pub use http::{ClientFile, ClientManifest};
 pub use metrics::ServerMetrics;

@@ -752,9 +752,10 @@ fn accept_info(handle: &NodeHandle, host: Arc<SpanHost>) -> Result<JoinHandle<()
 /// The `corolla-server` binary's body.
 pub fn run_cli() -> anyhow::Result<()> {
     let args = match ServerArgs::from_env() {
-        Ok(a) => a,
+        Ok(args) => args,
+        Err(crate::config::ArgsError::Flags(e)) => e.exit(),
         Err(e) => {
-            eprint!("{e}");
+            eprintln!("error: {e}");
             std::process::exit(2);
         }
     };

@@ -86,7 +86,7 @@ One server (in a network namespace, https + wss so the page has its Cache API) h
 `corolla random-model --shape SHAPE --layers 1 --quant q4_k`; headless Chromium at 390 × 844 loads the page, asks one \
 chat question for 16 greedy tokens (identical to `corolla generate` against the same server, cold and warm), then \
 reloads and asks again on a warm cache. Wasm memory is the head worker's plus the page's (the page's own instance \
-holds the libp2p node and the generate loop). Targets (issue 14): llama-2-70b <= 200 MB downloaded before the first \
+holds the libp2p node and the generate loop). Targets: llama-2-70b <= 200 MB downloaded before the first \
 token and <= 300 MB of page memory, llama-3-70b <= 700 MB, first token <= 2 s after Send on a warm cache beyond the \
 server's compute, no task over 50 ms on the page's thread while loading or answering.\n\n\
 | shape | LM head (Q4_K) | downloaded before the 1st token | wasm memory (worker + page) | renderer RSS at rest / peak | renderer private memory: cold at rest / peak; warm (reloaded) at rest / peak | ready cold / warm | 1st token warm (server's prefill) | page tasks > 50 ms loading + answering, cold / warm |\n\

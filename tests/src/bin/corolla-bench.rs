@@ -764,7 +764,7 @@ async fn bench_batching_of(
     args.extend(["--update-period".into(), "30s".into()]);
     args.extend(["--max-batch-wait".into(), max_batch_wait.into()]);
     args.extend(["--quantized".into(), quantized_flag.into()]);
-    let args = ServerArgs::from_args_and_file(args).map_err(anyhow::Error::msg)?;
+    let args = ServerArgs::from_args_and_file(args)?;
     let server = Server::start(args).await?;
     let node = connect(&[server.tcp_addr().expect("tcp").clone()]).await?;
     let mut settings = SessionSettings::new(server.model(), layers, 256, WireDType::F32);

@@ -1,4 +1,4 @@
-//! `corolla-gpu-check`: what a lent GPU machine is asked, in one call
+//! `corolla-gpu-check`: the checks run on a CUDA machine, in one command
 //! (`scripts/gpu-check.sh` runs it there). Built with `--features cuda` by
 //! `scripts/cuda.sh`; without CUDA it stops at once with a clear error.
 //!
@@ -126,7 +126,7 @@ async fn golden_tokens(o: &Options) -> Result<(String, bool)> {
     ]
     .map(String::from)
     .to_vec();
-    let args = corolla_server::ServerArgs::from_args_and_file(args).map_err(anyhow::Error::msg)?;
+    let args = corolla_server::ServerArgs::from_args_and_file(args)?;
     let server = corolla_server::Server::start(args).await?;
     let node = connect(&[server.tcp_addr().context("tcp address")?.clone()]).await?;
     let mut settings = SessionSettings::new(server.model(), layers, 128, WireDType::F32);

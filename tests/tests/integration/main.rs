@@ -9,6 +9,7 @@
 
 mod api;
 mod default_model;
+mod docs;
 mod drafts;
 mod engine;
 mod errors;
