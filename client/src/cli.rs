@@ -58,9 +58,11 @@ enum Command {
     /// Serve an OpenAI-compatible HTTP API in front of a swarm or a local model.
     Api(ApiArgs),
     /// Write a GGUF model with a real 70B-class shape and random weights (for tests and benchmarks).
+    #[cfg(feature = "random-model")]
     RandomModel(RandomModelArgs),
 }
 
+#[cfg(feature = "random-model")]
 #[derive(Args, Debug)]
 struct RandomModelArgs {
     /// llama-2-70b, llama-3-70b or qwen2.5-72b.
@@ -321,10 +323,12 @@ pub fn run() -> Result<()> {
             Ok(())
         }
         Command::Api(args) => runtime()?.block_on(run_api(args)),
+        #[cfg(feature = "random-model")]
         Command::RandomModel(args) => run_random_model(args),
     }
 }
 
+#[cfg(feature = "random-model")]
 fn run_random_model(args: RandomModelArgs) -> Result<()> {
     use corolla_model::random_gguf::{write_random_gguf, RandomGguf};
     if args.layers == 0 {

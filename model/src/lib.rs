@@ -17,13 +17,17 @@ pub mod embeddings;
 mod error;
 pub mod fingerprint;
 pub mod gguf;
+#[cfg(feature = "generators")]
 pub mod gguf_writer;
 pub mod head;
 mod linear;
 mod quant;
 pub mod quantized_buffer;
+#[cfg(feature = "generators")]
 pub mod random;
+#[cfg(feature = "generators")]
 pub mod random_gguf;
+#[cfg(feature = "generators")]
 mod random_vocab;
 pub mod rope;
 pub mod sampler;

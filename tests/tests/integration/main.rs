@@ -8,6 +8,7 @@
 //! One area's tests: `cargo test -p corolla-tests --test integration trust::`.
 
 mod api;
+mod batch;
 mod default_model;
 mod docs;
 mod drafts;
