@@ -236,6 +236,11 @@ const HOLE_PUNCH_WAIT: Duration = Duration::from_secs(5);
 /// the session: it is reopened and replayed before anyone is banned.
 const IDLE_BEFORE_EXPIRY_SUSPECTED: Duration = Duration::from_secs(20);
 
+/// Witnesses (and third opinions) asked for one check before giving up:
+/// servers that fail are replaced by others, then by the client's own
+/// blocks where it has them.
+const WITNESS_TRIES: usize = 3;
+
 impl RemoteChain {
     /// Finds servers for every block and opens a session on each, routing
     /// from a view of the swarm of its own.
@@ -731,37 +736,47 @@ impl RemoteChain {
                 }
             }
         }
-        if self.hops[index].witness.is_none() {
-            let exclude: HashSet<String> = primary_peers.iter().cloned().collect();
-            let witness = self.new_witness(index, &exclude, Role::Witness).await?;
-            self.hops[index].witness = Some((witness, 0));
-        }
-        let hop = &mut self.hops[index];
-        let (witness, fed) = hop.witness.as_mut()?;
-        // A caught step was fed but never entered the history.
-        let fed_before = (*fed).min(hop.history.len());
-        let result = match witness.replay(&hop.history[fed_before..]).await {
-            Ok(_) => witness.step(start, input).await,
-            Err(e) => Err(e),
-        };
-        match result {
-            Ok(out) => {
-                *fed = hop.history.len() + 1;
-                Some(out)
+        // A witness that fails (a server dying, leaving) is replaced: were
+        // the step let through unchecked, a liar could wait for that moment.
+        let mut exclude: HashSet<String> = primary_peers.iter().cloned().collect();
+        for _ in 0..WITNESS_TRIES {
+            if self.hops[index].witness.is_none() {
+                let witness = self.new_witness(index, &exclude, Role::Witness).await?;
+                self.hops[index].witness = Some((witness, 0));
             }
-            Err(e) => {
-                match e {
-                    WitnessError::Server(e) => tracing::debug!(error = %e, "a witness failed"),
-                    WitnessError::Local(e) => {
-                        tracing::warn!(error = %e, "the client's own check failed")
+            let hop = &mut self.hops[index];
+            let (witness, fed) = hop.witness.as_mut()?;
+            // A caught step was fed but never entered the history.
+            let fed_before = (*fed).min(hop.history.len());
+            let result = match witness.replay(&hop.history[fed_before..]).await {
+                Ok(_) => witness.step(start, input).await,
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(out) => {
+                    *fed = hop.history.len() + 1;
+                    return Some(out);
+                }
+                Err(e) => {
+                    let failed = witness.peers();
+                    match e {
+                        WitnessError::Server(e) => tracing::debug!(error = %e, "a witness failed"),
+                        WitnessError::Local(e) => {
+                            tracing::warn!(error = %e, "the client's own check failed")
+                        }
                     }
+                    if let Some((w, _)) = hop.witness.take() {
+                        w.close().await;
+                    }
+                    if failed.is_empty() {
+                        // The client's own blocks failed: nobody else to ask.
+                        return None;
+                    }
+                    exclude.extend(failed);
                 }
-                if let Some((w, _)) = hop.witness.take() {
-                    w.close().await;
-                }
-                None
             }
         }
+        None
     }
 
     /// A witness for hop `index` that uses none of `exclude`: other servers
@@ -807,15 +822,27 @@ impl RemoteChain {
         input: &TensorPayload,
         exclude: &HashSet<String>,
     ) -> Option<TensorPayload> {
-        let mut third = self.new_witness(index, exclude, Role::ThirdOpinion).await?;
-        let history = std::mem::take(&mut self.hops[index].history);
-        let out = match third.replay(&history).await {
-            Ok(_) => third.step(start, input).await.ok(),
-            Err(_) => None,
-        };
-        self.hops[index].history = history;
-        third.close().await;
-        out
+        let mut exclude = exclude.clone();
+        for _ in 0..WITNESS_TRIES {
+            let mut third = self
+                .new_witness(index, &exclude, Role::ThirdOpinion)
+                .await?;
+            let history = std::mem::take(&mut self.hops[index].history);
+            let out = match third.replay(&history).await {
+                Ok(_) => third.step(start, input).await.ok(),
+                Err(_) => None,
+            };
+            self.hops[index].history = history;
+            let asked = third.peers();
+            third.close().await;
+            if out.is_some() || asked.is_empty() {
+                return out;
+            }
+            // That server failed (not lied): ask another, at last the
+            // client's own blocks.
+            exclude.extend(asked);
+        }
+        None
     }
 }
 

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use corolla_model::{ModelDType, QuantizedWeights};
+use corolla_shared::addr_file::AddrFile;
 use libp2p::Multiaddr;
-use serde::Deserialize;
 use tokio::sync::{mpsc, Notify};
 
 use crate::assistant::{Answer, Assistant, Conversation};
@@ -374,13 +374,6 @@ impl Drop for LocalSwarm {
     }
 }
 
-#[derive(Deserialize)]
-struct AddrFile {
-    addrs: Vec<String>,
-    #[serde(default)]
-    http: Option<String>,
-}
-
 /// What the first server of the demo serves over HTTP.
 struct WebOptions {
     port: u16,
@@ -498,19 +491,12 @@ impl LocalSwarm {
     }
 
     fn first_server(&self) -> Result<AddrFile> {
-        let text = std::fs::read_to_string(self.dir.join("server-0.json"))?;
-        Ok(serde_json::from_str(&text)?)
+        Ok(AddrFile::read(&self.dir.join("server-0.json"))?)
     }
 
     fn bootstrap(&self) -> Result<Multiaddr> {
         self.first_server()?
-            .addrs
-            .iter()
-            .filter_map(|a| a.parse::<Multiaddr>().ok())
-            .find(|a| {
-                let a = a.to_string();
-                a.contains("/tcp/") && !a.contains("/ws")
-            })
+            .tcp_addr()
             .ok_or_else(|| anyhow!("the first server announced no TCP address"))
     }
 }

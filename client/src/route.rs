@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use corolla_shared::coverage;
 use corolla_shared::node::Via;
 use corolla_shared::ServerRecord;
 use serde::Serialize;
@@ -24,30 +25,11 @@ pub struct Hop {
 
 /// Blocks of `0..num_layers` that no record covers, as `[start, end)` ranges.
 pub fn uncovered_blocks(records: &[ServerRecord], num_layers: usize) -> Vec<(usize, usize)> {
-    let mut covered = vec![false; num_layers];
-    for r in records {
-        for c in covered
-            .iter_mut()
-            .take((r.end as usize).min(num_layers))
-            .skip(r.start as usize)
-        {
-            *c = true;
-        }
-    }
-    let mut gaps = Vec::new();
-    let mut i = 0;
-    while i < num_layers {
-        if covered[i] {
-            i += 1;
-            continue;
-        }
-        let start = i;
-        while i < num_layers && !covered[i] {
-            i += 1;
-        }
-        gaps.push((start, i));
-    }
-    gaps
+    let num_layers = u32::try_from(num_layers).unwrap_or(u32::MAX);
+    coverage::gaps(&coverage::of_records(num_layers, records))
+        .into_iter()
+        .map(|(start, end)| (start as usize, end as usize))
+        .collect()
 }
 
 /// What the router knows beyond the records: measured round trips and the

@@ -15,6 +15,8 @@ pub enum ServerError {
     Network(String),
     #[error("cannot listen on {addr}: {message}")]
     Listen { addr: Multiaddr, message: String },
+    #[error(transparent)]
+    AddrFile(#[from] corolla_shared::addr_file::AddrFileError),
 }
 
 /// Why the compute core could not run a step.

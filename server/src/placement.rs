@@ -6,27 +6,21 @@
 //! over the servers holding it; the swarm is as strong as its weakest block,
 //! because every generation passes through every block.
 
+use corolla_shared::coverage::{self, BlockCoverage};
 use corolla_shared::ServerRecord;
 
 /// Announced throughput per block, `0..num_layers`; lies (NaN, negative,
 /// infinite) count as nothing.
 fn block_throughput(num_layers: usize, records: &[ServerRecord]) -> Vec<f64> {
-    let mut throughput = vec![0f64; num_layers];
-    for r in records {
-        let speed = if r.throughput.is_finite() && r.throughput > 0.0 {
-            r.throughput
-        } else {
-            0.0
-        };
-        for t in throughput
-            .iter_mut()
-            .take((r.end as usize).min(num_layers))
-            .skip(r.start as usize)
-        {
-            *t += speed;
-        }
-    }
-    throughput
+    let blocks = coverage::of_records(saturating_u32(num_layers), records);
+    blocks
+        .iter()
+        .map(|b: &BlockCoverage| b.throughput)
+        .collect()
+}
+
+fn saturating_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn weakest(throughput: &[f64]) -> f64 {

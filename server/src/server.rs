@@ -3,12 +3,12 @@
 
 use std::collections::HashSet;
 use std::net::IpAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use corolla_model::fingerprint::default_model_name;
 use corolla_model::{Checkpoint, Device, LlamaConfig, ModelError};
+use corolla_shared::addr_file::AddrFile;
 use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::node::{Node, NodeEvent, NodeHandle};
 
@@ -18,7 +18,6 @@ use corolla_shared::{framing, native, Limits, ServerRecord};
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId, Stream};
-use serde::Serialize;
 use tokio::task::JoinHandle;
 
 use crate::admission::{CacheBudget, Quota};
@@ -156,18 +155,6 @@ impl Drop for RunningServer {
     fn drop(&mut self) {
         self.abort();
     }
-}
-
-#[derive(Serialize)]
-struct AddrFile<'a> {
-    peer_id: String,
-    addrs: Vec<String>,
-    model: &'a str,
-    start: usize,
-    end: usize,
-    /// `http://HOST:PORT` with `--http-port`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    http: Option<String>,
 }
 
 fn ip_proto(ip: IpAddr) -> Protocol<'static> {
@@ -610,17 +597,15 @@ impl Server {
         };
 
         if let Some(path) = &args.addr_file {
-            write_addr_file(
-                path,
-                &AddrFile {
-                    peer_id: peer_id.to_string(),
-                    addrs: addrs.iter().map(ToString::to_string).collect(),
-                    model: &model,
-                    start,
-                    end,
-                    http: http.clone(),
-                },
-            )?;
+            AddrFile {
+                peer_id: peer_id.to_string(),
+                addrs: addrs.iter().map(ToString::to_string).collect(),
+                model: model.clone(),
+                start,
+                end,
+                http: http.clone(),
+            }
+            .write(path)?;
         }
         Ok(RunningServer {
             peer_id,
@@ -648,16 +633,6 @@ fn cuda_device() -> Result<Device, ServerError> {
     Err(ServerError::Config(
         "this build has no CUDA support; rebuild corolla-server with --features cuda".into(),
     ))
-}
-
-fn write_addr_file(path: &Path, content: &AddrFile) -> Result<(), ServerError> {
-    let err =
-        |e: std::io::Error| ServerError::Config(format!("cannot write {}: {e}", path.display()));
-    let json =
-        serde_json::to_vec_pretty(content).map_err(|e| ServerError::Config(e.to_string()))?;
-    let partial = path.with_extension("partial");
-    std::fs::write(&partial, json).map_err(err)?;
-    std::fs::rename(&partial, path).map_err(err)
 }
 
 fn accept_sessions(

@@ -6,9 +6,12 @@
 //! the libp2p behaviour all nodes share. It depends on neither candle nor
 //! tokio so that it builds for every target, wasm32 included.
 
+#[cfg(feature = "native")]
+pub mod addr_file;
 pub mod behaviour;
 #[cfg(all(feature = "browser", target_arch = "wasm32"))]
 pub mod browser;
+pub mod coverage;
 pub mod flow;
 pub mod framing;
 pub mod limits;

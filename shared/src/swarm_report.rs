@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::coverage::BlockCoverage;
+use crate::coverage::{self, announced_speed};
 use crate::record::{Reachability, ServerRecord};
 
 /// The swarm of one model at one moment.
@@ -34,16 +36,6 @@ pub struct SwarmReport {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BlockCoverage {
-    pub block: u32,
-    /// Servers holding this block.
-    pub servers: u32,
-    /// The announced decode tokens/s of those servers, summed: what this
-    /// block can carry at most, and so where the swarm is weakest.
-    pub throughput: f64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ServerRow {
     pub peer_id: String,
     pub start: u32,
@@ -59,16 +51,6 @@ pub struct ServerRow {
     pub version: String,
     pub addresses: Vec<String>,
     pub dtype: String,
-}
-
-/// A figure a peer announced, made safe to add up and to encode: JSON has
-/// no NaN or infinity, and a negative speed means nothing.
-fn sane(x: f64) -> f64 {
-    if x.is_finite() && x > 0.0 {
-        x
-    } else {
-        0.0
-    }
 }
 
 impl SwarmReport {
@@ -89,7 +71,7 @@ impl SwarmReport {
                 peer_id: r.peer_id.clone(),
                 start: r.start,
                 end: r.end,
-                throughput: sane(r.throughput),
+                throughput: announced_speed(r.throughput),
                 rtt_ms: rtts.get(&r.peer_id).map(|d| d.as_secs_f64() * 1000.0),
                 cache_tokens_left: r.cache_tokens_left,
                 sessions: r.sessions,
@@ -105,27 +87,11 @@ impl SwarmReport {
         // count the same server twice.
         servers.dedup_by(|a, b| a.peer_id == b.peer_id);
 
-        let mut blocks: Vec<BlockCoverage> = (0..num_layers)
-            .map(|block| BlockCoverage {
-                block,
-                servers: 0,
-                throughput: 0.0,
-            })
-            .collect();
-        for s in &servers {
-            let end = s.end.min(num_layers) as usize;
-            for b in blocks.iter_mut().take(end).skip(s.start as usize) {
-                b.servers += 1;
-                b.throughput += s.throughput;
-            }
-        }
-        let mut gaps: Vec<(u32, u32)> = Vec::new();
-        for b in blocks.iter().filter(|b| b.servers == 0) {
-            match gaps.last_mut() {
-                Some((_, end)) if *end == b.block => *end += 1,
-                _ => gaps.push((b.block, b.block + 1)),
-            }
-        }
+        let blocks = coverage::per_block(
+            num_layers,
+            servers.iter().map(|s| (s.start, s.end, s.throughput)),
+        );
+        let gaps = coverage::gaps(&blocks);
         SwarmReport {
             model: model.to_string(),
             num_layers,
