@@ -6,21 +6,17 @@
 //! over the servers holding it; the swarm is as strong as its weakest block,
 //! because every generation passes through every block.
 
-use corolla_shared::coverage::{self, BlockCoverage};
+use corolla_shared::coverage;
 use corolla_shared::ServerRecord;
 
-/// Announced throughput per block, `0..num_layers`; lies (NaN, negative,
-/// infinite) count as nothing.
+/// Announced throughput per block, `0..num_layers` (this server's own
+/// model); lies (NaN, negative, infinite) count as nothing.
 fn block_throughput(num_layers: usize, records: &[ServerRecord]) -> Vec<f64> {
-    let blocks = coverage::of_records(saturating_u32(num_layers), records);
-    blocks
+    let num_layers = u32::try_from(num_layers).unwrap_or(u32::MAX);
+    coverage::of_records(num_layers, records)
         .iter()
-        .map(|b: &BlockCoverage| b.throughput)
+        .map(|b| b.throughput)
         .collect()
-}
-
-fn saturating_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn weakest(throughput: &[f64]) -> f64 {

@@ -73,15 +73,6 @@ pub fn gaps(blocks: &[BlockCoverage]) -> Vec<(u32, u32)> {
     gaps
 }
 
-/// The throughput of the least-served block: what the whole swarm can carry,
-/// since every generation passes through every block (infinite for none).
-pub fn weakest(blocks: &[BlockCoverage]) -> f64 {
-    blocks
-        .iter()
-        .map(|b| b.throughput)
-        .fold(f64::INFINITY, f64::min)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,7 +84,6 @@ mod tests {
         assert_eq!(servers, [1, 2, 1, 1, 0, 1]);
         assert_eq!(blocks[1].throughput, 3.0);
         assert_eq!(gaps(&blocks), [(4, 5)]);
-        assert_eq!(weakest(&blocks), 0.0);
         assert_eq!(gaps(&per_block(3, [])), [(0, 3)]);
         assert_eq!(announced_speed(f64::NAN), 0.0);
         assert_eq!(announced_speed(-1.0), 0.0);
