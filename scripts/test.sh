@@ -53,10 +53,10 @@ if [ "$free_mb" -lt 4096 ]; then
     echo "only ${free_mb} MB free on the disk of $CARGO_TARGET_DIR; the browser tests need 4 GB (Chromium's cache quota)" >&2
     exit 1
 fi
-# The browser and API tests fail, rather than skip, if Chromium, the page or
-# the openai package is missing.
 corolla_processes() { { pgrep -x corolla-server; pgrep -x corolla; } | sort || true; }
 before_tests=$(corolla_processes)
+# The browser and API tests fail, rather than skip, if Chromium, the page or
+# the openai package is missing.
 COROLLA_REQUIRE_BROWSER=1 COROLLA_REQUIRE_OPENAI=1 COROLLA_REQUIRE_NETNS=1 cargo test --workspace --locked
 # Every test kills what it started, inside namespaces too; a server that
 # outlived its test would hold ports and cores for whatever runs next.
