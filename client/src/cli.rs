@@ -71,7 +71,7 @@ struct RandomModelArgs {
     /// Decoder blocks: the real model's layer shape on a short stack.
     #[arg(long, default_value_t = 1)]
     layers: usize,
-    /// Weight matrices' type: q4_k, q8_0 or f16.
+    /// Weight matrices' type: q4_k, q4_1, q8_0 or f16.
     #[arg(long, default_value = "q4_k")]
     quant: corolla_model::random_gguf::WeightQuant,
     #[arg(long, default_value_t = 0)]

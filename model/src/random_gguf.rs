@@ -117,6 +117,8 @@ impl std::str::FromStr for ModelShape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightQuant {
     Q4K,
+    /// What the default model (SmolLM2-135M's GGUF) holds.
+    Q4_1,
     Q8_0,
     F16,
 }
@@ -125,6 +127,7 @@ impl WeightQuant {
     pub fn dtype(self) -> GgmlDType {
         match self {
             Self::Q4K => GgmlDType::Q4K,
+            Self::Q4_1 => GgmlDType::Q4_1,
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::F16 => GgmlDType::F16,
         }
@@ -148,10 +151,11 @@ impl std::str::FromStr for WeightQuant {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "q4_k" | "q4k" => Ok(Self::Q4K),
+            "q4_1" => Ok(Self::Q4_1),
             "q8_0" => Ok(Self::Q8_0),
             "f16" => Ok(Self::F16),
             other => Err(format!(
-                "unknown quantization {other:?} (known: q4_k, q8_0, f16)"
+                "unknown quantization {other:?} (known: q4_k, q4_1, q8_0, f16)"
             )),
         }
     }
@@ -384,6 +388,17 @@ fn random_blocks(tensor: &TensorEntry, std: f64, rng: &mut SplitMix64, buf: &mut
             for _ in 0..n / 32 {
                 buf.extend(d);
                 bytes(rng, buf, 4 + 16);
+            }
+        }
+        GgmlDType::Q4_1 => {
+            // d·q + m with 4-bit q uniform in 0..16 and m = -7.5·d: zero
+            // mean, std d·4.61.
+            let d = std / 4.61;
+            let (d16, m16) = (f16::from_f64(d), f16::from_f64(-7.5 * d));
+            for _ in 0..n / 32 {
+                buf.extend(d16.to_le_bytes());
+                buf.extend(m16.to_le_bytes());
+                bytes(rng, buf, 16);
             }
         }
         GgmlDType::Q4K => {

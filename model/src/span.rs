@@ -458,6 +458,15 @@ impl BlockSpan {
     ) -> Result<Tensor> {
         self.check_step(hidden.dims(), start, cache)?;
         let t = hidden.dim(1)?;
+        if t == 1 && decode_attention::supported(self.dtype, &self.device) {
+            // The path of a batched decode step, so that a position's output
+            // is the same bits alone, in a batch, locally or on a server
+            // (kept-quantized products round activations to 8 bits, which
+            // turns another path's last-bit differences into visible ones).
+            let mut step = [(hidden.clone(), start, cache)];
+            let mut out = self.forward_decode_batch(&mut step)?;
+            return out.pop().ok_or(ModelError::BatchMismatch);
+        }
         let mask = if t > 1 {
             Some(causal_mask(
                 t,

@@ -9,7 +9,7 @@ use libp2p::PeerId;
 use crate::flow::{write_frame_in_pieces, FlowReceiver};
 use crate::framing::{read_frame, write_frame};
 use crate::limits::Limits;
-use crate::node::{with_timeout, NodeError};
+use crate::node::with_timeout;
 use crate::protocol::{
     encode_step_with, ErrorCode, OpenRequest, ProtocolError, Request, Response, SessionToken,
     StepHeader, INFERENCE_PROTOCOL, INFO_PROTOCOL,
@@ -54,6 +54,13 @@ pub enum SessionError {
 }
 
 impl SessionError {
+    /// The stream ended or failed (yamux's reset stream writes zero bytes,
+    /// WebRTC's resets) before any answer came. When the whole connection
+    /// is gone the next try's stream cannot open, which ends the tries.
+    fn is_dropped_stream(&self) -> bool {
+        matches!(self, SessionError::Closed { .. } | SessionError::Io { .. })
+    }
+
     pub fn peer(&self) -> PeerId {
         match self {
             SessionError::Connect { peer, .. }
@@ -101,9 +108,22 @@ pub struct StepTimeout {
 }
 
 impl RemoteSession {
-    /// Opens a stream to `peer` and a session on it.
+    /// Opens a stream to `peer` and a session on it. A stream that ends
+    /// before any answer is opened again (see [`DROPPED_STREAM_TRIES`]).
     pub async fn open(
         control: &mut libp2p_stream::Control,
+        peer: PeerId,
+        request: OpenRequest,
+        timeout: Duration,
+    ) -> Result<Self, SessionError> {
+        retry_dropped_stream(timeout, || {
+            Self::open_once(control.clone(), peer, request.clone(), timeout)
+        })
+        .await
+    }
+
+    async fn open_once(
+        mut control: libp2p_stream::Control,
         peer: PeerId,
         request: OpenRequest,
         timeout: Duration,
@@ -334,9 +354,18 @@ impl RemoteSession {
     }
 }
 
-/// Asks `peer` for its live record over the info protocol.
+/// Asks `peer` for its live record over the info protocol (again when the
+/// stream ends before the record, see [`DROPPED_STREAM_TRIES`]).
 pub async fn fetch_info(
     control: &mut libp2p_stream::Control,
+    peer: PeerId,
+    timeout: Duration,
+) -> Result<ServerRecord, SessionError> {
+    retry_dropped_stream(timeout, || fetch_info_once(control.clone(), peer, timeout)).await
+}
+
+async fn fetch_info_once(
+    mut control: libp2p_stream::Control,
     peer: PeerId,
     timeout: Duration,
 ) -> Result<ServerRecord, SessionError> {
@@ -360,6 +389,47 @@ pub async fn fetch_info(
     .await;
     match result {
         Ok(r) => r,
-        Err(NodeError::Timeout(_)) | Err(_) => Err(SessionError::Timeout { peer, timeout }),
+        Err(_) => Err(SessionError::Timeout { peer, timeout }),
+    }
+}
+
+/// How many times a request is sent on a fresh stream when its stream ends
+/// (or is reset) before any answer. libp2p's stream layer keeps one
+/// unaccepted inbound stream per protocol and drops the others, so when
+/// many clients arrive together while a server's cores are busy computing,
+/// streams are lost before the server sees them; nothing was done on them,
+/// so asking again is safe.
+pub const DROPPED_STREAM_TRIES: u32 = 5;
+
+/// The wait before the second try; it doubles for each later one.
+const DROPPED_STREAM_BACKOFF: Duration = Duration::from_millis(40);
+
+/// Runs `attempt` until it succeeds, fails otherwise than by a dropped
+/// stream, [`DROPPED_STREAM_TRIES`] are spent, or `timeout` has passed.
+async fn retry_dropped_stream<T, F, Fut>(
+    timeout: Duration,
+    mut attempt: F,
+) -> Result<T, SessionError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, SessionError>>,
+{
+    let started = web_time::Instant::now();
+    let mut backoff = DROPPED_STREAM_BACKOFF;
+    let mut tries = 1;
+    loop {
+        match attempt().await {
+            Err(e)
+                if e.is_dropped_stream()
+                    && tries < DROPPED_STREAM_TRIES
+                    && started.elapsed() + backoff < timeout =>
+            {
+                tracing::debug!(peer = %e.peer(), tries, "stream dropped before any answer; opening another");
+                crate::node::sleep(backoff).await;
+                backoff *= 2;
+                tries += 1;
+            }
+            other => return other,
+        }
     }
 }

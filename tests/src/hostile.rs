@@ -252,3 +252,61 @@ pub fn hidden_payload(t: usize, h: usize) -> TensorPayload {
     .expect("a tensor");
     to_payload(&x, WireDType::F32).expect("a payload")
 }
+
+/// A server that starts accepting inference streams only after `stall`
+/// (as one whose cores are busy does), then opens every session it is
+/// asked for. libp2p's stream layer holds one stream until it accepts and
+/// drops the others. Returns its address and a count of the sessions it
+/// opened; runs until the task is dropped.
+pub async fn slow_acceptor(
+    stall: Duration,
+) -> (
+    Multiaddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    tokio::task::JoinHandle<()>,
+) {
+    let key = libp2p::identity::Keypair::generate_ed25519();
+    let swarm = build_swarm(
+        key,
+        Duration::from_secs(1),
+        &NetworkLimits::server(),
+        None,
+        &ReachSettings::client(),
+        None,
+    )
+    .await
+    .expect("a swarm");
+    let (mut node, handle, mut events) = Node::new(swarm);
+    node.swarm_mut()
+        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .unwrap();
+    let mut sessions = handle.control().accept(INFERENCE_PROTOCOL).unwrap();
+    let opened = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = opened.clone();
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+    let peer = handle.peer_id();
+    let task = tokio::spawn(async move {
+        let _handle = handle;
+        let serve = async {
+            if let Some(corolla_shared::node::NodeEvent::Listening { address, .. }) =
+                events.next().await
+            {
+                let _ = addr_tx.send(address.with(Protocol::P2p(peer)));
+            }
+            tokio::time::sleep(stall).await;
+            while let Some((_, stream)) = sessions.next().await {
+                let count = count.clone();
+                tokio::spawn(async move {
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    serve_lies(stream, Lie::NotANumber).await
+                });
+            }
+        };
+        tokio::select! {
+            _ = node.run() => {}
+            _ = serve => {}
+        }
+    });
+    let addr = addr_rx.await.expect("the acceptor listens");
+    (addr, opened, task)
+}

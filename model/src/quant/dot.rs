@@ -99,24 +99,23 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)))
     }
 
-    /// One weight row; two blocks a turn into separate sums, so that one
-    /// block's multiply-add does not wait for the last one's.
+    /// One weight row. Its sums are taken in the order of [`four_rows`] and
+    /// [`four_activations`], so that a row's output does not depend on the
+    /// kernel its batch chose (a session's tokens on who shares its step).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn one_row(blocks: usize, w: *const u8, x: *const u8) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut acc = _mm256_setzero_ps();
         // Lane 1 accumulates the blocks' minimum terms (m_w * s_x).
-        let mut mins = [_mm_setzero_ps(); 2];
+        let mut mins = _mm_setzero_ps();
         for i in 0..blocks {
             let (wb, xb) = (w.add(i * Q4_1_BYTES), x.add(i * Q8_1_BYTES));
             // Lane 0: d_w * d_x; lane 1: m_w * s_x.
             let scales = _mm_mul_ps(two_halves(wb), two_halves(xb));
             let sums = block_sums(wb, _mm256_loadu_si256(xb.add(4).cast()));
-            let k = i & 1;
-            mins[k] = _mm_add_ps(mins[k], scales);
-            acc[k] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), sums, acc[k]);
+            mins = _mm_add_ps(mins, scales);
+            acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), sums, acc);
         }
-        let mins = _mm_add_ps(mins[0], mins[1]);
-        sum_lanes(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+        _mm_cvtss_f32(_mm_movehdup_ps(mins)) + sum_lanes(acc)
     }
 
     /// Four weight rows against one activation row, read once.

@@ -135,3 +135,37 @@ fn a_wrong_width_is_refused() {
     let m = matrix(&quantize(&random((32, 256), 1), GgmlDType::Q4_0));
     assert!(m.forward(&random((2, 128), 2)).is_err());
 }
+
+/// A session's output may not depend on who shares its step: each row of a
+/// batch is bit for bit the product of that row alone, for every format,
+/// batch size (the batched kernels take rows four at a time, the rest one
+/// by one) and matrix size (small products stay on one thread).
+#[test]
+fn each_row_of_a_batch_is_the_row_alone_bit_for_bit() {
+    for format in FORMATS {
+        for (rows, cols) in [(43, 256), (1536, 512)] {
+            let m = matrix(&quantize(&random((rows, cols), 3), format));
+            for batch in [2, 4, 5, 7, 16] {
+                let x = random((batch, cols), batch as u64 + 11);
+                let together = m.forward(&x).unwrap();
+                for r in 0..batch {
+                    let alone = m.forward(&x.narrow(0, r, 1).unwrap()).unwrap();
+                    let shared = together.narrow(0, r, 1).unwrap();
+                    let (alone, shared) = (
+                        alone.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        shared.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    );
+                    let differ = alone
+                        .iter()
+                        .zip(&shared)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ, 0,
+                        "{format:?} {rows}x{cols}: row {r} of a batch of {batch} differs from the row alone in {differ} outputs"
+                    );
+                }
+            }
+        }
+    }
+}

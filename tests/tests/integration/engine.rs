@@ -265,3 +265,49 @@ async fn auto_blocks_fill_the_memory_limit_where_the_swarm_is_weakest() {
         .unwrap();
     assert_eq!(run.outputs[0].generated_ids, prompt.generated_new_ids);
 }
+
+/// libp2p's stream layer holds one unaccepted inbound stream per protocol
+/// and drops the rest, so a crowd arriving while a server's cores are busy
+/// loses streams before the server sees them: every open must still succeed,
+/// once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_opening_sessions_while_the_server_is_busy_all_get_one() {
+    use corolla_shared::session::RemoteSession;
+    use corolla_tests::hostile::slow_acceptor;
+    use libp2p::multiaddr::Protocol;
+    const CROWD: usize = 8;
+    let (addr, opened, _acceptor) = slow_acceptor(Duration::from_millis(300)).await;
+    let node = connect(std::slice::from_ref(&addr)).await.unwrap();
+    let Some(Protocol::P2p(peer)) = addr.iter().last() else {
+        panic!("{addr} names no peer")
+    };
+    let request = OpenRequest {
+        model: "any".into(),
+        fingerprint: String::new(),
+        start: 0,
+        end: 4,
+        max_length: 32,
+        dtype: WireDType::F32,
+        compression: corolla_shared::Compression::None,
+        flow_window: 0,
+    };
+    let opens =
+        (0..CROWD).map(|_| {
+            let mut control = node.control();
+            let request = request.clone();
+            async move {
+                RemoteSession::open(&mut control, peer, request, Duration::from_secs(20)).await
+            }
+        });
+    let results = futures::future::join_all(opens).await;
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {CROWD} opens failed: {failed:?}",
+        failed.len()
+    );
+    assert_eq!(opened.load(std::sync::atomic::Ordering::SeqCst), CROWD);
+}
