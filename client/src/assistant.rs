@@ -15,15 +15,17 @@ use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, LlamaConfi
 use corolla_shared::node::NodeHandle;
 use corolla_shared::WireDType;
 
-use crate::chain::{Recovery, RemoteChain, SessionSettings};
+use crate::chain::{Recovery, RemoteChain};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::draft_model::DraftModel;
 use crate::error::ClientError;
 use crate::generate::{generate_after, GenerateOutput, GenerateRequest, LocalHead, TokenHead};
 use crate::local::LocalChain;
 use crate::route::Hop;
+use crate::session_settings::SessionSettings;
 use crate::swarm_view::SwarmView;
 use crate::text::TextTokenizer;
+use crate::tokens::common_prefix;
 
 /// Positions a conversation's sessions reserve when they open, so that
 /// follow-ups fit without reopening (bounded by what the model and the
@@ -207,11 +209,6 @@ impl Conversation {
             chain.close().await;
         }
     }
-}
-
-/// Length of the longest common prefix of `a` and `b`.
-pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl Assistant {

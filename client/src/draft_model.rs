@@ -8,9 +8,9 @@ use corolla_model::{
     BlockSpan, Checkpoint, ClientHead, DType, Device, Sampler, SamplingParams, SessionCache,
 };
 
-use crate::assistant::common_prefix;
 use crate::error::ClientError;
 use crate::text::TextTokenizer;
+use crate::tokens::common_prefix;
 
 /// A whole model in this process, used only to propose drafts.
 pub struct DraftModel {

@@ -20,16 +20,16 @@ pub mod generate;
 pub mod gguf_tokenizer;
 pub mod local;
 pub mod route;
+pub mod session_settings;
 pub mod spot_check;
 pub mod stop;
 pub mod swarm_view;
 pub mod text;
 pub mod tokenizer_parts;
+pub mod tokens;
 
 #[cfg(not(target_arch = "wasm32"))]
 pub mod api;
-#[cfg(not(target_arch = "wasm32"))]
-mod chat_cli;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod cli;
 #[cfg(not(target_arch = "wasm32"))]
@@ -38,7 +38,7 @@ pub mod models;
 pub mod network;
 
 pub use assistant::{Answer, Assistant, Blocks, Conversation};
-pub use chain::{Recovery, RemoteChain, SessionSettings};
+pub use chain::{Recovery, RemoteChain};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use draft::DEFAULT_DRAFTS;
 pub use draft_model::DraftModel;
@@ -52,6 +52,7 @@ pub use route::{
     matching_servers, plan_route, plan_route_between, uncovered_blocks, Hop, MatchingServers,
     RouteCosts,
 };
+pub use session_settings::SessionSettings;
 pub use stop::StopSequences;
 pub use swarm_view::SwarmView;
 pub use text::{TextStream, TextTokenizer};

@@ -16,11 +16,11 @@ use web_time::Instant;
 
 use corolla_model::fingerprint::{keeps_quantized, span_hash};
 
-use crate::chain::SessionSettings;
 use crate::error::ClientError;
 use crate::route::{
     matching_servers, plan_route_between, uncovered_blocks, update_rtt_average, Hop, RouteCosts,
 };
+use crate::session_settings::SessionSettings;
 
 /// A lookup older than this is refreshed in the background at the next use.
 const REFRESH_PERIOD: Duration = Duration::from_secs(30);

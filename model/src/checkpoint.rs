@@ -24,9 +24,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::file_bytes::FileBytes;
 use crate::gguf::{GgufFile, GgufTokenizer};
 use crate::rope::RopeLayout;
-use crate::weight_file::{FileBytes, WeightFile};
+use crate::weight_file::WeightFile;
 pub use crate::weight_file::{RawDType, RawTensor};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -357,9 +358,12 @@ impl Checkpoint {
     /// A page's client part has no embedding table: then the file of the
     /// final norm.
     fn client_gguf(&self) -> Result<Option<Arc<WeightFile>>> {
-        let file = [crate::head::EMBED_TOKENS, crate::head::FINAL_NORM]
-            .iter()
-            .find_map(|t| self.weight_map.get(*t));
+        let file = [
+            crate::tensor_names::EMBED_TOKENS,
+            crate::tensor_names::FINAL_NORM,
+        ]
+        .iter()
+        .find_map(|t| self.weight_map.get(*t));
         match file {
             Some(file) if file.ends_with(".gguf") => Ok(Some(self.mapped(file)?)),
             _ => Ok(None),

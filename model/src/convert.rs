@@ -21,7 +21,7 @@ use crate::checkpoint::{
 use crate::embeddings::RowFormat;
 use crate::error::{ModelError, Result};
 use crate::gguf::gguf_name;
-use crate::head::{EMBED_TOKENS, FINAL_NORM, LM_HEAD};
+use crate::tensor_names::{EMBED_TOKENS, FINAL_NORM, LM_HEAD};
 
 /// Files copied unchanged when present beside the weights.
 const SIDE_FILES: &[&str] = &[

@@ -18,7 +18,7 @@ use candle_core::Device;
 
 use crate::config::{Family, LlamaConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::weight_file::FileBytes;
+use crate::file_bytes::FileBytes;
 
 /// llama.cpp's per-frequency rope divisors.
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
@@ -312,7 +312,7 @@ impl GgufFile {
             "max_position_embeddings": self.uint(&key("context_length")).unwrap_or(4096),
             "rms_norm_eps": self.float(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
             "rope_theta": self.float(&key("rope.freq_base")).unwrap_or(10_000.0),
-            "tie_word_embeddings": !self.tensors.contains_key(crate::head::LM_HEAD),
+            "tie_word_embeddings": !self.tensors.contains_key(crate::tensor_names::LM_HEAD),
             "bos_token_id": self.uint("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
             "sliding_window": self.uint(&key("attention.sliding_window")),

@@ -12,11 +12,8 @@ use crate::embeddings::{RowFetch, RowFormat, TokenEmbeddings};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::span::rms_norm;
+use crate::tensor_names::{EMBED_TOKENS, LM_HEAD};
 use crate::weight_file::RawDType;
-
-pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
-pub const FINAL_NORM: &str = "model.norm.weight";
-pub const LM_HEAD: &str = "lm_head.weight";
 
 fn is_quantized(dtype: GgmlDType) -> bool {
     !matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)

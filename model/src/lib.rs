@@ -15,12 +15,15 @@ mod decode_attention;
 pub mod dtype;
 pub mod embeddings;
 mod error;
+pub mod file_bytes;
 pub mod fingerprint;
 pub mod gguf;
 #[cfg(feature = "generators")]
 pub mod gguf_writer;
 pub mod head;
 mod linear;
+#[cfg(feature = "generators")]
+mod model_shape;
 mod quant;
 pub mod quantized_buffer;
 #[cfg(feature = "generators")]
@@ -32,6 +35,7 @@ mod random_vocab;
 pub mod rope;
 pub mod sampler;
 pub mod span;
+pub mod tensor_names;
 pub mod weight_file;
 pub mod wire;
 

@@ -8,12 +8,7 @@
 use std::collections::{BinaryHeap, HashSet};
 
 use crate::error::{ModelError, Result};
-use crate::random_gguf::ModelShape;
-
-/// Llama 3's special tokens start here (`<|begin_of_text|>`).
-pub(crate) const LLAMA3_FIRST_SPECIAL: u32 = 128_000;
-/// Qwen2's special tokens start here (`<|endoftext|>`).
-pub(crate) const QWEN_FIRST_SPECIAL: u32 = 151_643;
+use crate::model_shape::{ModelShape, LLAMA3_FIRST_SPECIAL, QWEN_FIRST_SPECIAL};
 
 /// A tokenizer in GGUF's terms: tokens, their types, and the BPE merges
 /// (byte-level models) or scores (SentencePiece).

@@ -2,44 +2,16 @@
 //! or owned: a browser downloads the client part into memory, there is no
 //! file to map), its tensor index, and where each tensor's bytes are.
 
-use std::fs::File;
-use std::ops::Deref;
 use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use memmap2::Mmap;
 use safetensors::tensor::Metadata;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::error::{ModelError, Result};
+use crate::file_bytes::FileBytes;
 use crate::gguf::GgufFile;
-
-pub enum FileBytes {
-    Mapped(Mmap),
-    Owned(Vec<u8>),
-}
-
-impl FileBytes {
-    pub fn map(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
-        // SAFETY: checkpoint files are read-only inputs; like every mmap-based
-        // loader (candle's included) we rely on nobody truncating them while
-        // the model runs.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
-        Ok(FileBytes::Mapped(mmap))
-    }
-}
-
-impl Deref for FileBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            FileBytes::Mapped(m) => m,
-            FileBytes::Owned(v) => v,
-        }
-    }
-}
 
 /// How a tensor is stored on disk.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -129,9 +129,9 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
 
 /// The tensors of the client part, which browsers fetch over HTTP.
 const CLIENT_TENSORS: [&str; 3] = [
-    corolla_model::head::EMBED_TOKENS,
-    corolla_model::head::FINAL_NORM,
-    corolla_model::head::LM_HEAD,
+    corolla_model::tensor_names::EMBED_TOKENS,
+    corolla_model::tensor_names::FINAL_NORM,
+    corolla_model::tensor_names::LM_HEAD,
 ];
 
 /// The HTTP side of a server started with `--http-port`: writes the client

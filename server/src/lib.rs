@@ -22,6 +22,7 @@ mod monitor;
 mod placement;
 mod push;
 mod rebalance;
+mod refuse;
 mod server;
 mod session;
 mod tls;

@@ -21,8 +21,7 @@ use tokio::task::JoinHandle;
 use crate::admission::Quota;
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
-use crate::server::refuse_stream;
-use crate::session::MAX_BAD_REQUESTS_IN_A_ROW;
+use crate::refuse::{refuse_stream, MAX_BAD_REQUESTS_IN_A_ROW};
 
 /// Pushed steps a session holds before further pushes are refused: one
 /// is in flight on an honest route; more means a pusher outrunning it.

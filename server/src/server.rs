@@ -13,11 +13,11 @@ use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::node::{Node, NodeEvent, NodeHandle};
 
 use corolla_shared::peers::parse_peer_list;
-use corolla_shared::protocol::{ErrorCode, Response, INFERENCE_PROTOCOL, INFO_PROTOCOL};
+use corolla_shared::protocol::{ErrorCode, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use corolla_shared::{framing, native, Limits, ServerRecord};
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::multiaddr::Protocol;
-use libp2p::{Multiaddr, PeerId, Stream};
+use libp2p::{Multiaddr, PeerId};
 use tokio::task::JoinHandle;
 
 use crate::admission::{CacheBudget, Quota};
@@ -31,6 +31,7 @@ use crate::metrics::ServerMetrics;
 use crate::placement::choose_blocks;
 use crate::push::{accept_pushes, PushInboxes};
 use crate::rebalance::Rebalancer;
+use crate::refuse::refuse_stream;
 use crate::session::serve;
 
 /// How long a leaving server stays reachable after its sessions ended, so
@@ -671,7 +672,6 @@ fn accept_sessions(
     }))
 }
 
-/// Tells a peer why its stream is not served, briefly, and closes.
 /// Keeps `corolla_relay_circuits` current: the node counts the circuits,
 /// the gauge shows the latest count.
 async fn watch_relay_circuits(node: NodeHandle, metrics: ServerMetrics) {
@@ -687,23 +687,6 @@ async fn watch_relay_circuits(node: NodeHandle, metrics: ServerMetrics) {
 
 /// How stale `corolla_relay_circuits` may be.
 const RELAY_GAUGE_PERIOD: Duration = Duration::from_secs(2);
-
-pub(crate) async fn refuse_stream(
-    mut stream: Stream,
-    peer: PeerId,
-    code: ErrorCode,
-    message: String,
-    metrics: ServerMetrics,
-) {
-    tracing::debug!(%peer, %message, "refused a stream");
-    metrics.error_sent(code);
-    let frame = Response::error(code, message).encode();
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = framing::write_frame(&mut stream, &frame).await;
-        let _ = stream.close().await;
-    })
-    .await;
-}
 
 fn accept_info(handle: &NodeHandle, host: Arc<SpanHost>) -> Result<JoinHandle<()>, ServerError> {
     let mut incoming = handle

@@ -26,9 +26,8 @@ use crate::compute::{CacheLease, ComputeCore};
 use crate::error::ComputeError;
 use crate::metrics::{ServerMetrics, StepKind};
 use crate::push::{Inbox, PushInboxes, PushLink, Pushed};
+use crate::refuse::MAX_BAD_REQUESTS_IN_A_ROW;
 
-/// Bad requests in a row after which a stream is closed.
-pub(crate) const MAX_BAD_REQUESTS_IN_A_ROW: usize = 3;
 /// What a refusal for want of cache suggests waiting before trying again.
 const RETRY_AFTER: Duration = Duration::from_secs(5);
 /// The longest any one reply may take to leave, acknowledgement waits included.

@@ -8,6 +8,7 @@ pub mod hostile;
 pub mod nat;
 pub mod netns;
 pub mod page_figures;
+pub mod span_batching;
 pub mod wan;
 pub mod wan_bench;
 pub mod wire_quality;

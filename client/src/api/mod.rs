@@ -23,7 +23,8 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, Semaphore};
 
-use crate::assistant::{common_prefix, Assistant, Conversation};
+use crate::assistant::{Assistant, Conversation};
+use crate::tokens::common_prefix;
 use answer::{respond, Kind};
 use error::ApiError;
 use metrics::Metrics;

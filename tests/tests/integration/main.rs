@@ -26,6 +26,7 @@ mod http;
 mod metrics;
 mod monitor;
 mod protocol;
+mod structure;
 mod swarm;
 mod trust;
 mod wire_quality;

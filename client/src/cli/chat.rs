@@ -17,9 +17,9 @@ use corolla_shared::addr_file::AddrFile;
 use libp2p::Multiaddr;
 use tokio::sync::{mpsc, Notify};
 
+use super::args::{open_assistant, runtime, BlocksArgs, ModelArgs, SamplingArgs, SwarmArgs};
 use crate::assistant::{Answer, Assistant, Conversation};
 use crate::chat::ChatMessage;
-use crate::cli::{open_assistant, runtime, BlocksArgs, ModelArgs, SamplingArgs, SwarmArgs};
 use crate::generate::{GenerateRequest, StopReason};
 use crate::text::TextStream;
 
@@ -508,7 +508,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         quantized: args.quantized,
     };
     let path = model.path()?;
-    let num_layers = crate::cli::open_checkpoint(&path)?
+    let num_layers = super::args::open_checkpoint(&path)?
         .config()
         .num_hidden_layers;
     let quantized = match args.quantized {

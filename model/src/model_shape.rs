@@ -1,0 +1,101 @@
+//! The 70B-class shapes random models are written in (`corolla random-model`):
+//! each real model's configuration on a stack of any height.
+
+use crate::config::{Family, LlamaConfig, RopeScaling};
+
+/// Llama 3's special tokens start here (`<|begin_of_text|>`).
+pub(crate) const LLAMA3_FIRST_SPECIAL: u32 = 128_000;
+/// Qwen2's special tokens start here (`<|endoftext|>`).
+pub(crate) const QWEN_FIRST_SPECIAL: u32 = 151_643;
+
+/// The model shapes `corolla random-model` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelShape {
+    /// Llama 2 70B: hidden 8192, 64/8 heads, FFN 28672, SentencePiece vocabulary of 32000.
+    Llama2_70b,
+    /// Llama 3.1 70B: as Llama 2 70B with a byte-level vocabulary of 128256,
+    /// rope theta 5e5 and llama3 rope scaling.
+    Llama3_70b,
+    /// Qwen2.5 72B: hidden 8192, 64/8 heads, FFN 29568, vocabulary 152064, QKV biases.
+    Qwen25_72b,
+}
+
+impl ModelShape {
+    pub const ALL: [ModelShape; 3] = [Self::Llama2_70b, Self::Llama3_70b, Self::Qwen25_72b];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama2_70b => "llama-2-70b",
+            Self::Llama3_70b => "llama-3-70b",
+            Self::Qwen25_72b => "qwen2.5-72b",
+        }
+    }
+
+    /// The real model's configuration with `layers` decoder blocks.
+    pub fn config(self, layers: usize) -> LlamaConfig {
+        let llama = LlamaConfig {
+            family: Family::Llama,
+            hidden_size: 8192,
+            intermediate_size: 28672,
+            num_hidden_layers: layers,
+            num_attention_heads: 64,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            vocab_size: 32000,
+            max_position_embeddings: 4096,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: RopeScaling::None,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            qkv_bias: false,
+            mlp_bias: false,
+            sliding_window: None,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+            torch_dtype: None,
+        };
+        match self {
+            Self::Llama2_70b => llama,
+            Self::Llama3_70b => LlamaConfig {
+                vocab_size: 128_256,
+                max_position_embeddings: 131_072,
+                rope_theta: 500_000.0,
+                rope_scaling: RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192,
+                },
+                bos_token_id: Some(LLAMA3_FIRST_SPECIAL),
+                eos_token_ids: vec![LLAMA3_FIRST_SPECIAL + 1, LLAMA3_FIRST_SPECIAL + 9],
+                ..llama
+            },
+            Self::Qwen25_72b => LlamaConfig {
+                family: Family::Qwen2,
+                intermediate_size: 29568,
+                vocab_size: 152_064,
+                max_position_embeddings: 32_768,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                qkv_bias: true,
+                bos_token_id: None,
+                eos_token_ids: vec![QWEN_FIRST_SPECIAL, QWEN_FIRST_SPECIAL + 2],
+                ..llama
+            },
+        }
+    }
+}
+
+impl std::str::FromStr for ModelShape {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|shape| shape.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|s| s.name()).collect();
+                format!("unknown shape {s:?} (known: {})", names.join(", "))
+            })
+    }
+}

@@ -1,0 +1,32 @@
+//! Turning a stream away: a short error frame, then the stream closes.
+//! Shared by the session and push acceptors and their handlers.
+
+use std::time::Duration;
+
+use corolla_shared::framing;
+use corolla_shared::protocol::{ErrorCode, Response};
+use futures::AsyncWriteExt;
+use libp2p::{PeerId, Stream};
+
+use crate::metrics::ServerMetrics;
+
+/// Bad requests in a row after which a stream is closed.
+pub(crate) const MAX_BAD_REQUESTS_IN_A_ROW: usize = 3;
+
+/// Tells a peer why its stream is not served, briefly, and closes.
+pub(crate) async fn refuse_stream(
+    mut stream: Stream,
+    peer: PeerId,
+    code: ErrorCode,
+    message: String,
+    metrics: ServerMetrics,
+) {
+    tracing::debug!(%peer, %message, "refused a stream");
+    metrics.error_sent(code);
+    let frame = Response::error(code, message).encode();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = framing::write_frame(&mut stream, &frame).await;
+        let _ = stream.close().await;
+    })
+    .await;
+}
