@@ -11,16 +11,14 @@ use corolla_model::fingerprint::{block_hashes, fingerprint};
 use corolla_model::{BlockSpan, Checkpoint, DType, Device};
 use corolla_shared::node::{Announcement, LiveFigures};
 
-use corolla_shared::{Limits, ServerRecord};
+use corolla_shared::ServerRecord;
 use tokio::sync::watch;
 
-use crate::admission::{CacheBudget, Quota};
-use crate::compute::{ComputeCore, ComputeSettings};
+use crate::compute::ComputeCore;
 use crate::error::ServerError;
+use crate::host_settings::HostSettings;
 use crate::hub::ModelSource;
 use crate::measure::{measure, Throughput};
-use crate::metrics::ServerMetrics;
-use crate::push::PushInboxes;
 use crate::session::SessionContext;
 
 /// Loads spans of the model this server serves, as often as it moves.
@@ -74,26 +72,6 @@ impl SpanLoader {
     }
 }
 
-/// What stays the same whichever span the server hosts.
-pub(crate) struct HostSettings {
-    /// The record's fixed fields (peer, model, limits); each span fills its own.
-    pub template: ServerRecord,
-    pub limits: Limits,
-    pub max_length: usize,
-    pub idle_timeout: Duration,
-    pub step_delay: Duration,
-    pub sessions: Arc<Quota>,
-    pub cache: Arc<CacheBudget>,
-    pub corrupt_outputs: f64,
-    pub compute: ComputeSettings,
-    pub update_period: Duration,
-    /// Every session's push inbox; one registry whichever span is hosted.
-    pub pushes: Arc<PushInboxes>,
-    /// For pushes to the next servers of clients' routes.
-    pub control: libp2p_stream::Control,
-    pub metrics: ServerMetrics,
-}
-
 /// A span in service: its sessions' context and the switch that tells
 /// them the server leaves.
 pub(crate) struct Hosted {
@@ -110,7 +88,7 @@ impl Hosted {
 
 impl HostSettings {
     /// Starts a compute core for `loaded` and the context its sessions share.
-    pub fn host(&self, loaded: LoadedSpan) -> Result<Hosted, ServerError> {
+    pub fn host(self: &Arc<Self>, loaded: LoadedSpan) -> Result<Hosted, ServerError> {
         let range = loaded.span.range();
         let record = ServerRecord {
             fingerprint: loaded.fingerprint,
@@ -128,20 +106,10 @@ impl HostSettings {
         let (leaving, shutdown) = watch::channel(false);
         let ctx = SessionContext {
             core,
-            model: self.template.model.clone(),
             block_hashes: loaded.block_hashes,
-            limits: self.limits,
-            max_length: self.max_length,
-            idle_timeout: self.idle_timeout,
-            step_delay: self.step_delay,
-            sessions: self.sessions.clone(),
-            cache: self.cache.clone(),
-            corrupt_outputs: self.corrupt_outputs,
+            settings: self.clone(),
             shutdown,
             record: Mutex::new(record),
-            pushes: self.pushes.clone(),
-            control: self.control.clone(),
-            metrics: self.metrics.clone(),
         };
         Ok(Hosted {
             ctx: Arc::new(ctx),

@@ -11,6 +11,7 @@ mod compute;
 pub mod config;
 mod error;
 mod host;
+mod host_settings;
 mod http;
 mod http_guard;
 mod hub;

@@ -11,7 +11,8 @@ use corolla_shared::node::NodeHandle;
 
 use crate::admission::Quota;
 use crate::error::ServerError;
-use crate::host::{HostSettings, SpanHost, SpanLoader};
+use crate::host::{SpanHost, SpanLoader};
+use crate::host_settings::HostSettings;
 use crate::placement::{best_move, Move};
 
 /// How long one look at the swarm may take.

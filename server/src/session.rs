@@ -15,17 +15,18 @@ use corolla_model::{DType, Tensor};
 use corolla_shared::flow::{FlowSender, MIN_WINDOW};
 use corolla_shared::framing::{write_frame, FrameReader};
 use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response, StepHeader};
-use corolla_shared::{Compression, Limits, ServerRecord, TensorPayload, TensorView, WireDType};
+use corolla_shared::{Compression, ServerRecord, TensorPayload, TensorView, WireDType};
 use futures::AsyncWriteExt;
 use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::admission::{BudgetFull, CacheBudget, Quota, Refusal, Reservation, Slot};
+use crate::admission::{BudgetFull, Refusal, Reservation, Slot};
 use crate::compute::{CacheLease, ComputeCore};
 use crate::error::ComputeError;
+use crate::host_settings::HostSettings;
 use crate::metrics::{ServerMetrics, StepKind};
-use crate::push::{Inbox, PushInboxes, PushLink, Pushed};
+use crate::push::{Inbox, PushLink, Pushed};
 use crate::refuse::MAX_BAD_REQUESTS_IN_A_ROW;
 
 /// What a refusal for want of cache suggests waiting before trying again.
@@ -37,29 +38,14 @@ const MAX_WRITE_TIME: Duration = Duration::from_secs(30);
 pub(crate) struct SessionContext {
     /// Owns the span and every session's cache; steps go through it.
     pub core: ComputeCore,
-    pub model: String,
     /// Hashes of the span's blocks, in order.
     pub block_hashes: Vec<String>,
-    pub limits: Limits,
-    /// Longest session: `--inference-max-length`, at most the model's positions.
-    pub max_length: usize,
-    pub idle_timeout: Duration,
-    pub step_delay: Duration,
-    /// Sessions per peer and in total.
-    pub sessions: Arc<Quota>,
-    /// KV-cache tokens all sessions share (`--cache-tokens`).
-    pub cache: Arc<CacheBudget>,
-    /// A testing aid: the share of steps answered with noisy activations.
-    pub corrupt_outputs: f64,
+    /// What every span's sessions share (limits, deadlines, quotas, pushes).
+    pub settings: Arc<HostSettings>,
     /// Becomes `true` when the server leaves: open sessions are told so.
     pub shutdown: watch::Receiver<bool>,
     /// The announced record; live fields are filled in by [`Self::record`].
     pub record: Mutex<ServerRecord>,
-    /// Every session's push inbox, by token (shared by every span hosted).
-    pub pushes: Arc<PushInboxes>,
-    /// Opens push streams to the next servers of clients' routes.
-    pub control: libp2p_stream::Control,
-    pub metrics: ServerMetrics,
 }
 
 impl SessionContext {
@@ -75,12 +61,12 @@ impl SessionContext {
 
     /// Sessions open and cache tokens free right now.
     pub fn fill_live_figures(&self, r: &mut ServerRecord) {
-        r.sessions = self.sessions.in_use() as u32;
-        r.cache_tokens_left = self.cache.free() as u64;
+        r.sessions = self.settings.sessions.in_use() as u32;
+        r.cache_tokens_left = self.settings.cache.free() as u64;
     }
 
     fn write_deadline(&self) -> Duration {
-        self.idle_timeout.min(MAX_WRITE_TIME)
+        self.settings.idle_timeout.min(MAX_WRITE_TIME)
     }
 }
 
@@ -187,17 +173,17 @@ pub(crate) async fn serve(
 ) {
     let mut io = SessionStream {
         stream,
-        reader: FrameReader::new(ctx.limits.max_frame_bytes()),
+        reader: FrameReader::new(ctx.settings.limits.max_frame_bytes()),
         flow: None,
-        metrics: ctx.metrics.clone(),
+        metrics: ctx.settings.metrics.clone(),
     };
     let mut session: Option<Session> = None;
     // Ended without the client's Close or end of stream: a client that
     // still wants it reopens and replays (see `ServerMetrics::session_opened`).
     let mut cut_short = false;
     let mut shutdown = ctx.shutdown.clone();
-    let mut control = ctx.control.clone();
-    let mut idle_until = Instant::now() + ctx.idle_timeout;
+    let mut control = ctx.settings.control.clone();
+    let mut idle_until = Instant::now() + ctx.settings.idle_timeout;
     let mut bad_in_a_row = 0;
     loop {
         let incoming = tokio::select! {
@@ -223,7 +209,7 @@ pub(crate) async fn serve(
             Incoming::Idle => {
                 let msg = format!(
                     "idle (no progress) for {:?}; session closed",
-                    ctx.idle_timeout
+                    ctx.settings.idle_timeout
                 );
                 io.send(Err((ErrorCode::Timeout, msg)), deadline).await;
                 cut_short = true;
@@ -259,7 +245,7 @@ pub(crate) async fn serve(
             session = s;
             reply
         } else {
-            match Request::decode(io.reader.frame(), &ctx.limits) {
+            match Request::decode(io.reader.frame(), &ctx.settings.limits) {
                 Err(e) => refuse(ErrorCode::BadFrame, format!("malformed request: {e}")),
                 Ok(Request::Close) => break,
                 Ok(Request::Ack { received }) => match io.flow.as_mut().map(|f| f.on_ack(received))
@@ -302,7 +288,7 @@ pub(crate) async fn serve(
         let reply = match reply {
             Ok(frame) => {
                 bad_in_a_row = 0;
-                idle_until = Instant::now() + ctx.idle_timeout;
+                idle_until = Instant::now() + ctx.settings.idle_timeout;
                 Ok(frame)
             }
             Err((code, message)) => {
@@ -325,7 +311,9 @@ pub(crate) async fn serve(
         }
     }
     if let Some(s) = session.as_ref().filter(|_| cut_short) {
-        ctx.metrics.session_cut_short(peer, s.layers.clone());
+        ctx.settings
+            .metrics
+            .session_cut_short(peer, s.layers.clone());
     }
     // Free the cache, the slots and the span (a moving server waits for
     // them) before waiting for the stream to close.
@@ -341,12 +329,12 @@ async fn open_session(
     peer: PeerId,
     open: &OpenRequest,
 ) -> Result<Session, (ErrorCode, String)> {
-    if open.model != ctx.model {
+    if open.model != ctx.settings.template.model {
         return Err((
             ErrorCode::WrongModel,
             format!(
                 "this server serves model {:?}, not {:?}",
-                ctx.model, open.model
+                ctx.settings.template.model, open.model
             ),
         ));
     }
@@ -386,13 +374,16 @@ async fn open_session(
     if max_length == 0 {
         return Err((ErrorCode::TooLong, "max_length must be at least 1".into()));
     }
-    if max_length > ctx.max_length {
+    if max_length > ctx.settings.max_length {
         return Err((
             ErrorCode::TooLong,
-            format!("max_length {max_length} exceeds {}", ctx.max_length),
+            format!(
+                "max_length {max_length} exceeds {}",
+                ctx.settings.max_length
+            ),
         ));
     }
-    let slot = ctx.sessions.try_take(peer).map_err(|refusal| {
+    let slot = ctx.settings.sessions.try_take(peer).map_err(|refusal| {
         let message = match refusal {
             Refusal::Full { limit } => format!("busy: {limit}/{limit} sessions in use"),
             Refusal::PeerFull { limit } => {
@@ -402,6 +393,7 @@ async fn open_session(
         (ErrorCode::Busy, message)
     })?;
     let reservation = ctx
+        .settings
         .cache
         .try_reserve(max_length)
         .map_err(|BudgetFull { free, total }| {
@@ -419,7 +411,7 @@ async fn open_session(
         .open(start..end, max_length)
         .await
         .map_err(|e| (ErrorCode::TooLong, e.to_string()))?;
-    ctx.metrics.session_opened(peer, start..end);
+    ctx.settings.metrics.session_opened(peer, start..end);
     Ok(Session {
         cache,
         layers: start..end,
@@ -427,7 +419,7 @@ async fn open_session(
         dtype: open.dtype,
         compression: open.compression,
         max_length,
-        inbox: ctx.pushes.open(),
+        inbox: ctx.settings.pushes.open(),
         push_link: PushLink::default(),
         _slot: slot,
         _reservation: reservation,
@@ -462,7 +454,7 @@ async fn run_step(
     };
     // A computed step passed `check_step`: its shape is [1, T, hidden].
     let positions = hidden.shape.get(1).copied().unwrap_or(0);
-    ctx.metrics.step_served(
+    ctx.settings.metrics.step_served(
         StepKind::of(pushed_in, positions),
         positions,
         arrived.elapsed(),
@@ -470,7 +462,7 @@ async fn run_step(
     let pushed = match &mut s {
         Some(s) if !header.push.is_empty() => {
             let pushed = s.push_link.push(control, header, &out).await;
-            ctx.metrics.push_sent(pushed);
+            ctx.settings.metrics.push_sent(pushed);
             pushed
         }
         _ => false,
@@ -545,10 +537,11 @@ async fn compute_step(
         Err(e) => return (Some(s), Err((ErrorCode::BadShape, e.to_string()))),
     };
     let positions = hidden.shape[1];
-    if !ctx.step_delay.is_zero() {
-        tokio::time::sleep(ctx.step_delay).await;
+    if !ctx.settings.step_delay.is_zero() {
+        tokio::time::sleep(ctx.settings.step_delay).await;
     }
-    let corrupt = ctx.corrupt_outputs > 0.0 && rand::random::<f64>() < ctx.corrupt_outputs;
+    let corrupt =
+        ctx.settings.corrupt_outputs > 0.0 && rand::random::<f64>() < ctx.settings.corrupt_outputs;
     let wire = s.dtype;
     let out = match s.cache.step(input, start).await {
         Ok(out) => out,

@@ -1,0 +1,33 @@
+//! What stays the same whichever span the server hosts: one settings type,
+//! held once and shared by every span's sessions (see `host.rs` for
+//! hosting a span with it).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use corolla_shared::{Limits, ServerRecord};
+
+use crate::admission::{CacheBudget, Quota};
+use crate::compute::ComputeSettings;
+use crate::metrics::ServerMetrics;
+use crate::push::PushInboxes;
+
+/// What stays the same whichever span the server hosts.
+pub(crate) struct HostSettings {
+    /// The record's fixed fields (peer, model, limits); each span fills its own.
+    pub template: ServerRecord,
+    pub limits: Limits,
+    pub max_length: usize,
+    pub idle_timeout: Duration,
+    pub step_delay: Duration,
+    pub sessions: Arc<Quota>,
+    pub cache: Arc<CacheBudget>,
+    pub corrupt_outputs: f64,
+    pub compute: ComputeSettings,
+    pub update_period: Duration,
+    /// Every session's push inbox; one registry whichever span is hosted.
+    pub pushes: Arc<PushInboxes>,
+    /// For pushes to the next servers of clients' routes.
+    pub control: libp2p_stream::Control,
+    pub metrics: ServerMetrics,
+}
