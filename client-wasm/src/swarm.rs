@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use corolla_shared::browser::build_browser_swarm;
 use corolla_shared::node::{Node, NodeHandle};
+use corolla_shared::peers::split_peer;
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 
@@ -50,11 +51,7 @@ fn parse_bootstrap(bootstrap: &[String]) -> Result<Vec<(PeerId, Multiaddr)>, Str
                     "{addr}: a browser can dial only WebRTC-direct or WebSocket addresses"
                 ));
             }
-            let mut base = addr.clone();
-            match base.pop() {
-                Some(Protocol::P2p(peer)) => Ok((peer, base)),
-                _ => Err(format!("{addr} must end in /p2p/<peer id>")),
-            }
+            split_peer(&addr).map_err(|e| e.to_string())
         })
         .collect()
 }

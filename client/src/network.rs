@@ -8,8 +8,8 @@ use std::time::Duration;
 use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::native::build_swarm;
 use corolla_shared::node::{Node, NodeHandle};
+use corolla_shared::peers::split_peer;
 use corolla_shared::reach::ReachSettings;
-use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 
 use crate::error::ClientError;
@@ -33,16 +33,11 @@ pub async fn connect_with(
     if bootstrap.is_empty() {
         return Err(ClientError::Network("no --initial-peers given".into()));
     }
-    let mut peers = Vec::with_capacity(bootstrap.len());
-    for addr in bootstrap {
-        let mut base = addr.clone();
-        let Some(Protocol::P2p(peer)) = base.pop() else {
-            return Err(ClientError::Network(format!(
-                "initial peer {addr} must end in /p2p/<peer id>"
-            )));
-        };
-        peers.push((peer, base));
-    }
+    let peers = bootstrap
+        .iter()
+        .map(split_peer)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ClientError::Network(e.to_string()))?;
     let key = libp2p::identity::Keypair::generate_ed25519();
     let limits = NetworkLimits::client().with_allowed_peers(allowed_peers.clone());
     let swarm = build_swarm(key, Duration::from_secs(60), &limits, None, reach, None)

@@ -17,6 +17,8 @@ pub enum ServerError {
     Listen { addr: Multiaddr, message: String },
     #[error(transparent)]
     AddrFile(#[from] corolla_shared::addr_file::AddrFileError),
+    #[error(transparent)]
+    InitialPeer(#[from] corolla_shared::peers::NoPeerId),
 }
 
 /// Why the compute core could not run a step.

@@ -12,7 +12,7 @@ use corolla_shared::addr_file::AddrFile;
 use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::node::{Node, NodeEvent, NodeHandle};
 
-use corolla_shared::peers::parse_peer_list;
+use corolla_shared::peers::{parse_peer_list, split_peer};
 use corolla_shared::protocol::{ErrorCode, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use corolla_shared::{framing, native, Limits, ServerRecord};
 use futures::{AsyncWriteExt, StreamExt};
@@ -163,16 +163,6 @@ fn ip_proto(ip: IpAddr) -> Protocol<'static> {
     match ip {
         IpAddr::V4(ip) => Protocol::Ip4(ip),
         IpAddr::V6(ip) => Protocol::Ip6(ip),
-    }
-}
-
-fn split_peer(addr: &Multiaddr) -> Result<(PeerId, Multiaddr), ServerError> {
-    let mut base = addr.clone();
-    match base.pop() {
-        Some(Protocol::P2p(peer)) => Ok((peer, base)),
-        _ => Err(ServerError::Config(format!(
-            "initial peer {addr} must end in /p2p/<peer id>"
-        ))),
     }
 }
 

@@ -1,10 +1,28 @@
-//! Lists of peer ids given by users (`--allowed-peers`): inline ids or files
-//! holding one per line.
+//! Peers users name: lists of peer ids (`--allowed-peers`, inline ids or
+//! files holding one per line) and initial peers' addresses, which must end
+//! in the peer's id.
 
 use std::collections::HashSet;
 use std::path::Path;
 
-use libp2p::PeerId;
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
+
+/// An initial peer's address without the `/p2p/<peer id>` it needs.
+#[derive(Debug, thiserror::Error)]
+#[error("initial peer {addr} must end in /p2p/<peer id>")]
+pub struct NoPeerId {
+    pub addr: Multiaddr,
+}
+
+/// An initial peer's address split into its peer id and where to dial it.
+pub fn split_peer(addr: &Multiaddr) -> Result<(PeerId, Multiaddr), NoPeerId> {
+    let mut base = addr.clone();
+    match base.pop() {
+        Some(Protocol::P2p(peer)) => Ok((peer, base)),
+        _ => Err(NoPeerId { addr: addr.clone() }),
+    }
+}
 
 /// Most peer ids read from one file.
 const MAX_LISTED: usize = 100_000;
@@ -53,6 +71,25 @@ pub fn parse_peer_list(items: &[String]) -> Result<Option<HashSet<PeerId>>, Stri
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_initial_peer_splits_into_its_id_and_address() {
+        let peer = PeerId::random();
+        let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/4001/p2p/{peer}")
+            .parse()
+            .unwrap();
+        let (id, base) = super::split_peer(&addr).unwrap();
+        assert_eq!(
+            (id, base.to_string()),
+            (peer, "/ip4/127.0.0.1/tcp/4001".to_string())
+        );
+        let bare: Multiaddr = "/ip4/127.0.0.1/tcp/4001".parse().unwrap();
+        let err = super::split_peer(&bare).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "initial peer /ip4/127.0.0.1/tcp/4001 must end in /p2p/<peer id>"
+        );
+    }
+
     use super::*;
 
     #[test]
