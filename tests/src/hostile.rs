@@ -9,6 +9,7 @@ use corolla_shared::behaviour::{BehaviourEvent, NetworkLimits};
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::native::build_swarm;
 use corolla_shared::node::{Announcement, Node, NodeHandle};
+use corolla_shared::peers::split_peer;
 use corolla_shared::protocol::{
     ErrorCode, Request, Response, SessionToken, INFERENCE_PROTOCOL, INFO_PROTOCOL,
 };
@@ -68,24 +69,34 @@ pub fn resident_memory_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Asks the DHT node at `target` (ending in `/p2p/<id>`) to store `value`
-/// under `key`, from a fresh peer; returns once the request was answered.
-pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
-    let key_pair = libp2p::identity::Keypair::generate_ed25519();
-    let mut swarm = build_swarm(
-        key_pair,
-        Duration::from_secs(60),
-        &NetworkLimits::client(),
+/// A fresh identity and a swarm for it with a client's reachability
+/// settings (no listener yet).
+async fn fresh_swarm(
+    update_period: Duration,
+    limits: &NetworkLimits,
+) -> (
+    libp2p::identity::Keypair,
+    libp2p::Swarm<corolla_shared::behaviour::Behaviour>,
+) {
+    let key = libp2p::identity::Keypair::generate_ed25519();
+    let swarm = build_swarm(
+        key.clone(),
+        update_period,
+        limits,
         None,
         &ReachSettings::client(),
         None,
     )
     .await
     .expect("a swarm");
-    let mut base = target.clone();
-    let Some(Protocol::P2p(peer)) = base.pop() else {
-        panic!("{target} has no peer id")
-    };
+    (key, swarm)
+}
+
+/// Asks the DHT node at `target` (ending in `/p2p/<id>`) to store `value`
+/// under `key`, from a fresh peer; returns once the request was answered.
+pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
+    let (_, mut swarm) = fresh_swarm(Duration::from_secs(60), &NetworkLimits::client()).await;
+    let (peer, base) = split_peer(target).expect("an address with a peer id");
     swarm.behaviour_mut().kad.add_address(&peer, base.clone());
     swarm.add_peer_address(peer, base);
     swarm.dial(peer).expect("dial");
@@ -146,26 +157,13 @@ pub async fn lying_server(
     honest: &ServerRecord,
     lie: Lie,
 ) -> (PeerId, tokio::task::JoinHandle<()>) {
-    let key = libp2p::identity::Keypair::generate_ed25519();
-    let swarm = build_swarm(
-        key.clone(),
-        Duration::from_secs(1),
-        &NetworkLimits::server(),
-        None,
-        &ReachSettings::client(),
-        None,
-    )
-    .await
-    .expect("a swarm");
+    let (key, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
     let (mut node, handle, mut events) = Node::new(swarm);
     node.serve_dht(None, key);
     node.swarm_mut()
         .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
         .unwrap();
-    let mut base = bootstrap.clone();
-    let Some(Protocol::P2p(boot)) = base.pop() else {
-        panic!("{bootstrap} has no peer id")
-    };
+    let (boot, base) = split_peer(bootstrap).expect("an address with a peer id");
     node.swarm_mut()
         .behaviour_mut()
         .kad
@@ -265,17 +263,7 @@ pub async fn slow_acceptor(
     std::sync::Arc<std::sync::atomic::AtomicUsize>,
     tokio::task::JoinHandle<()>,
 ) {
-    let key = libp2p::identity::Keypair::generate_ed25519();
-    let swarm = build_swarm(
-        key,
-        Duration::from_secs(1),
-        &NetworkLimits::server(),
-        None,
-        &ReachSettings::client(),
-        None,
-    )
-    .await
-    .expect("a swarm");
+    let (_, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
     let (mut node, handle, mut events) = Node::new(swarm);
     node.swarm_mut()
         .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())

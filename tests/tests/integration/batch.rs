@@ -64,33 +64,34 @@ fn relative_difference(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 fn prefilled(span: &BlockSpan, lengths: &[usize]) -> Vec<SessionCache> {
+    let width = span.config().hidden_size;
     lengths
         .iter()
         .enumerate()
         .map(|(i, &t)| {
             let mut cache = span.new_cache(64).unwrap();
-            span.forward(&hidden(t, i as u64), 0, &mut cache).unwrap();
+            span.forward(&hidden_of_width(t, width, i as u64), 0, &mut cache)
+                .unwrap();
             cache
         })
         .collect()
 }
 
-#[test]
-fn a_batched_decode_step_equals_each_step_alone() {
-    // Grouped-query heads (8 over 2) and one KV head per query head.
-    for kv_heads in [2, 8] {
-        batched_equals_alone(&span_with_kv_heads(kv_heads));
-    }
-}
-
-fn batched_equals_alone(span: &BlockSpan) {
-    // Ragged histories: each session at its own position.
-    let lengths = [1, 5, 12, 30, 2];
-    let mut alone = prefilled(span, &lengths);
-    let mut batched = prefilled(span, &lengths);
-    for round in 0..4u64 {
+/// Sessions with histories of `lengths` take `rounds` decode steps, each
+/// alone and all together as one batch; per round, each session's
+/// `(batched, alone)` outputs.
+fn decode_alone_and_batched(
+    span: &BlockSpan,
+    lengths: &[usize],
+    rounds: u64,
+) -> Vec<Vec<(Tensor, Tensor)>> {
+    let width = span.config().hidden_size;
+    let mut alone = prefilled(span, lengths);
+    let mut batched = prefilled(span, lengths);
+    let mut out = Vec::new();
+    for round in 0..rounds {
         let inputs: Vec<Tensor> = (0..lengths.len())
-            .map(|i| hidden(1, 100 + round * 10 + i as u64))
+            .map(|i| hidden_of_width(1, width, 100 + round * 10 + i as u64))
             .collect();
         let expected: Vec<Tensor> = inputs
             .iter()
@@ -108,14 +109,31 @@ fn batched_equals_alone(span: &BlockSpan) {
             .collect();
         let outputs = span.forward_decode_batch(&mut steps).unwrap();
         assert_eq!(outputs.len(), expected.len());
-        for (got, want) in outputs.iter().zip(&expected) {
+        out.push(outputs.into_iter().zip(expected).collect());
+    }
+    for (a, b) in alone.iter().zip(&batched) {
+        assert_eq!(a.len(), b.len());
+    }
+    out
+}
+
+#[test]
+fn a_batched_decode_step_equals_each_step_alone() {
+    // Grouped-query heads (8 over 2) and one KV head per query head.
+    for kv_heads in [2, 8] {
+        batched_equals_alone(&span_with_kv_heads(kv_heads));
+    }
+}
+
+fn batched_equals_alone(span: &BlockSpan) {
+    // Ragged histories: each session at its own position.
+    let rounds = decode_alone_and_batched(span, &[1, 5, 12, 30, 2], 4);
+    for (round, outputs) in rounds.iter().enumerate() {
+        for (got, want) in outputs {
             assert_eq!(got.dims(), &[1, 1, HIDDEN]);
             let d = relative_difference(got, want);
             assert!(d < 1e-4, "round {round}: batched differs by {d} of the RMS");
         }
-    }
-    for (a, b) in alone.iter().zip(&batched) {
-        assert_eq!(a.len(), b.len());
     }
 }
 
@@ -128,13 +146,12 @@ fn a_kept_quantized_batched_decode_step_is_each_step_alone_bit_for_bit() {
     use corolla_model::config::LlamaConfig;
     use corolla_model::random_gguf::{write_random_gguf, ModelShape, RandomGguf, WeightQuant};
     use corolla_model::QuantizedWeights;
-    const WIDTH: usize = 256;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("q4_1.gguf");
     let shape = ModelShape::Llama2_70b;
     let spec = RandomGguf {
         config: LlamaConfig {
-            hidden_size: WIDTH,
+            hidden_size: 256,
             intermediate_size: 704,
             num_attention_heads: 4,
             num_key_value_heads: 2,
@@ -152,44 +169,13 @@ fn a_kept_quantized_batched_decode_step_is_each_step_alone_bit_for_bit() {
         .unwrap()
         .with_quantized_weights(QuantizedWeights::Keep);
     let span = BlockSpan::load(&checkpoint, 0, 2, DType::F32, &Device::Cpu).unwrap();
-    let lengths = [1, 5, 12, 30, 2, 7, 3, 9, 4];
-    let prefilled = || -> Vec<SessionCache> {
-        lengths
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| {
-                let mut cache = span.new_cache(64).unwrap();
-                span.forward(&hidden_of_width(t, WIDTH, i as u64), 0, &mut cache)
-                    .unwrap();
-                cache
-            })
-            .collect()
-    };
-    let (mut alone, mut batched) = (prefilled(), prefilled());
     let bits = |t: &Tensor| -> Vec<u32> {
         let values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         values.into_iter().map(f32::to_bits).collect()
     };
-    for round in 0..3u64 {
-        let inputs: Vec<Tensor> = (0..lengths.len())
-            .map(|i| hidden_of_width(1, WIDTH, 100 + round * 10 + i as u64))
-            .collect();
-        let expected: Vec<Tensor> = inputs
-            .iter()
-            .zip(alone.iter_mut())
-            .map(|(x, cache)| {
-                let start = cache.len();
-                span.forward(x, start, cache).unwrap()
-            })
-            .collect();
-        let mut steps: Vec<(Tensor, usize, &mut SessionCache)> = inputs
-            .iter()
-            .cloned()
-            .zip(batched.iter_mut())
-            .map(|(x, cache)| (x, cache.len(), cache))
-            .collect();
-        let outputs = span.forward_decode_batch(&mut steps).unwrap();
-        for (i, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+    let rounds = decode_alone_and_batched(&span, &[1, 5, 12, 30, 2, 7, 3, 9, 4], 3);
+    for (round, outputs) in rounds.iter().enumerate() {
+        for (i, (got, want)) in outputs.iter().enumerate() {
             assert!(
                 bits(got) == bits(want),
                 "round {round}, session {i}: the batched output differs from the step alone by {} of the RMS",
