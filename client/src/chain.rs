@@ -217,7 +217,7 @@ impl RemoteChain {
                     if reconnected.insert(peer) =>
                 {
                     tracing::debug!(%peer, error = %source, "a connection broke under an Open; trying again");
-                    corolla_shared::node::sleep(Duration::from_millis(100)).await;
+                    corolla_shared::time::sleep(Duration::from_millis(100)).await;
                 }
                 // A server announced but gone (its entry has not expired yet):
                 // route around it.

@@ -271,7 +271,7 @@ impl SwarmView {
                     looked_up = true;
                 }
                 Err(_) => {
-                    corolla_shared::node::sleep(Duration::from_millis(300)).await;
+                    corolla_shared::time::sleep(Duration::from_millis(300)).await;
                     just_refreshed = false;
                 }
             }

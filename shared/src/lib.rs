@@ -27,6 +27,7 @@ pub mod record;
 pub mod session;
 pub mod swarm_report;
 pub mod tensor;
+pub mod time;
 
 pub use limits::Limits;
 pub use record::{Reachability, ServerRecord};

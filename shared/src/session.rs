@@ -9,13 +9,13 @@ use libp2p::PeerId;
 use crate::flow::{write_frame_in_pieces, FlowReceiver};
 use crate::framing::{read_frame, write_frame};
 use crate::limits::Limits;
-use crate::node::with_timeout;
 use crate::protocol::{
     encode_step_with, ErrorCode, OpenRequest, ProtocolError, Request, Response, SessionToken,
     StepHeader, INFERENCE_PROTOCOL, INFO_PROTOCOL,
 };
 use crate::record::{ServerRecord, MAX_RECORD_BYTES};
 use crate::tensor::{Compression, TensorPayload};
+use crate::time::with_timeout;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -425,7 +425,7 @@ where
                     && started.elapsed() + backoff < timeout =>
             {
                 tracing::debug!(peer = %e.peer(), tries, "stream dropped before any answer; opening another");
-                crate::node::sleep(backoff).await;
+                crate::time::sleep(backoff).await;
                 backoff *= 2;
                 tries += 1;
             }
