@@ -51,6 +51,16 @@ impl Quota {
         })
     }
 
+    /// The most slots one peer may hold.
+    pub fn per_peer(&self) -> usize {
+        self.per_peer
+    }
+
+    /// The most slots all peers together may hold.
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
     fn held(&self) -> std::sync::MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }

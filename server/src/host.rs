@@ -68,7 +68,11 @@ impl SpanLoader {
             })
         })
         .await
-        .map_err(|e| ServerError::Config(format!("loading blocks {start}..{end}: {e}")))?
+        .map_err(|e| ServerError::LoadBlocks {
+            start,
+            end,
+            message: e.to_string(),
+        })?
     }
 }
 
@@ -102,7 +106,7 @@ impl HostSettings {
             ..self.template.clone()
         };
         let core = ComputeCore::start(Arc::new(loaded.span), self.compute, self.metrics.clone())
-            .map_err(|e| ServerError::Config(format!("cannot start the compute thread: {e}")))?;
+            .map_err(ServerError::ComputeThread)?;
         let (leaving, shutdown) = watch::channel(false);
         let ctx = SessionContext {
             core,

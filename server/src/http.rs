@@ -161,7 +161,7 @@ pub(crate) async fn start(
         prepare_client_part(&checkpoint, &name)
     })
     .await
-    .map_err(|e| ServerError::Config(e.to_string()))??;
+    .map_err(ServerError::Task)??;
     let public_host = args.public_name.clone().unwrap_or_else(|| {
         if args.host.is_unspecified() {
             "127.0.0.1".into()
@@ -215,8 +215,10 @@ struct HttpConfig {
 /// it, into a folder owned by the server.
 fn prepare_client_part(checkpoint: &Checkpoint, model: &str) -> Result<ClientPartDir, ServerError> {
     sweep_stale_parts(&std::env::temp_dir());
-    let failed = |e: std::io::Error| {
-        ServerError::Config(format!("cannot create a folder for the client part: {e}"))
+    let failed = |source| ServerError::File {
+        doing: "cannot create a folder for the client part in",
+        path: std::env::temp_dir(),
+        source,
     };
     let dir = tempfile::Builder::new()
         .prefix(PART_PREFIX)
@@ -230,8 +232,11 @@ fn prepare_client_part(checkpoint: &Checkpoint, model: &str) -> Result<ClientPar
     let describe = |name: &str| -> Result<ClientFile, ServerError> {
         let path = out.join(name);
         let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-        let sha256 = sha256_file(&path)
-            .map_err(|e| ServerError::Config(format!("cannot read {}: {e}", path.display())))?;
+        let sha256 = sha256_file(&path).map_err(|source| ServerError::File {
+            doing: "cannot read",
+            path: path.clone(),
+            source,
+        })?;
         Ok(ClientFile {
             name: name.to_string(),
             size,
@@ -273,10 +278,16 @@ fn prepare_client_part(checkpoint: &Checkpoint, model: &str) -> Result<ClientPar
         embedding_rows,
     };
     let path = out.join(MANIFEST);
-    let json =
-        serde_json::to_vec_pretty(&manifest).map_err(|e| ServerError::Config(e.to_string()))?;
-    std::fs::write(&path, json)
-        .map_err(|e| ServerError::Config(format!("cannot write {}: {e}", path.display())))?;
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| ServerError::File {
+        doing: "cannot write",
+        path: path.clone(),
+        source: e.into(),
+    })?;
+    std::fs::write(&path, json).map_err(|source| ServerError::File {
+        doing: "cannot write",
+        path,
+        source,
+    })?;
     Ok(dir)
 }
 
@@ -291,12 +302,16 @@ async fn serve(
 ) -> Result<(SocketAddr, String, JoinHandle<()>), ServerError> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|e| {
-            ServerError::Config(format!("cannot listen for HTTP on {}: {e}", config.listen))
+        .map_err(|source| ServerError::HttpListen {
+            addr: config.listen,
+            source,
         })?;
     let local = listener
         .local_addr()
-        .map_err(|e| ServerError::Config(e.to_string()))?;
+        .map_err(|source| ServerError::HttpListen {
+            addr: config.listen,
+            source,
+        })?;
     let scheme = if config.tls.is_some() {
         "https"
     } else {

@@ -34,7 +34,10 @@ fn looks_like_repo_id(s: &str) -> bool {
 }
 
 fn hub_error(what: &str, e: impl std::fmt::Display) -> ServerError {
-    ServerError::Config(format!("cannot download {what} from the hub: {e}"))
+    ServerError::Download {
+        what: what.to_string(),
+        message: e.to_string(),
+    }
 }
 
 impl ModelSource {
@@ -46,10 +49,7 @@ impl ModelSource {
         }
         let id = model.to_string_lossy();
         if model.exists() || !looks_like_repo_id(&id) {
-            return Err(ServerError::Config(format!(
-                "model {} does not exist (as a folder or GGUF file; nor is it a Hugging Face repo id like owner/name)",
-                model.display()
-            )));
+            return Err(ServerError::NoSuchModel(model.to_path_buf()));
         }
         let api = ApiBuilder::from_env()
             .with_progress(true)
@@ -62,7 +62,7 @@ impl ModelSource {
         let snapshot = config
             .parent()
             .map(Path::to_path_buf)
-            .ok_or_else(|| ServerError::Config("hub cache path has no parent".into()))?;
+            .ok_or_else(|| hub_error(CONFIG_FILE, "the hub cache path has no parent"))?;
         // The first index the repo has decides the layout; absent ones are
         // expected and not errors.
         let found_index = [COROLLA_INDEX, SHARDED_INDEX]

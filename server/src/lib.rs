@@ -7,6 +7,7 @@
 //! [`Server::start`].
 
 mod admission;
+mod cli;
 mod compute;
 pub mod config;
 mod error;
@@ -24,14 +25,17 @@ mod placement;
 mod push;
 mod rebalance;
 mod refuse;
-mod server;
+mod running;
 mod session;
+mod start;
 mod tls;
 
+pub use cli::run_cli;
 pub use compute::ComputeFigures;
 pub use config::{ArgsError, BlockRange, ServerArgs};
 pub use error::ServerError;
 pub use http::{ClientFile, ClientManifest};
 pub use metrics::ServerMetrics;
 pub use placement::{best_move, choose_blocks, Move};
-pub use server::{run_cli, RunningServer, Server};
+pub use running::RunningServer;
+pub use start::Server;

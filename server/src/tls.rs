@@ -28,25 +28,25 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections whose handshake is done but that axum has not taken yet.
 const ACCEPT_QUEUE: usize = 64;
 
-fn config_error(path: &Path, what: &str, e: impl std::fmt::Display) -> ServerError {
-    ServerError::Config(format!("{}: {what}: {e}", path.display()))
+fn tls_error(path: &Path, what: &str, e: impl std::fmt::Display) -> ServerError {
+    ServerError::Tls(format!("{}: {what}: {e}", path.display()))
 }
 
 impl TlsIdentity {
     pub fn load(cert: &Path, key: &Path) -> Result<Self, ServerError> {
         let certs = CertificateDer::pem_file_iter(cert)
-            .map_err(|e| config_error(cert, "cannot read the certificate", e))?
+            .map_err(|e| tls_error(cert, "cannot read the certificate", e))?
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| config_error(cert, "not a PEM certificate chain", e))?;
+            .map_err(|e| tls_error(cert, "not a PEM certificate chain", e))?;
         if certs.is_empty() {
-            return Err(config_error(
+            return Err(tls_error(
                 cert,
                 "no certificate",
                 "the file has no CERTIFICATE block",
             ));
         }
         let key = PrivateKeyDer::from_pem_file(key)
-            .map_err(|e| config_error(key, "not a PEM private key", e))?;
+            .map_err(|e| tls_error(key, "not a PEM private key", e))?;
         let identity = TlsIdentity { certs, key };
         // Fail at start-up, not at the first browser's handshake.
         identity.server_config()?;
@@ -60,7 +60,7 @@ impl TlsIdentity {
             .certs
             .iter()
             .map(|c| libp2p::websocket::tls::Certificate::new(c.to_vec()));
-        WebSocketTls::new(key, certs).map_err(|e| ServerError::Config(format!("TLS: {e}")))
+        WebSocketTls::new(key, certs).map_err(|e| ServerError::Tls(e.to_string()))
     }
 
     fn server_config(&self) -> Result<rustls::ServerConfig, ServerError> {
@@ -71,7 +71,7 @@ impl TlsIdentity {
                 b.with_no_client_auth()
                     .with_single_cert(self.certs.clone(), self.key.clone_key())
             })
-            .map_err(|e| ServerError::Config(format!("TLS certificate and key: {e}")))?;
+            .map_err(|e| ServerError::Tls(format!("certificate and key: {e}")))?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(config)
     }
