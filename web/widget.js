@@ -68,10 +68,29 @@ function errorMessage(e) {
   try { return JSON.stringify(e); } catch { return String(e); }
 }
 
+// The kind of a failure (the client's `kind` words: no_coverage, busy, unreachable, …).
+function errorKind(e) {
+  if (typeof e?.kind === 'string') return e.kind;
+  return e instanceof ConfigError ? 'bad_request' : 'internal';
+}
+
+// What the banner says failed, by the failure's kind.
+const STAGE_OF_KIND = {
+  no_coverage: 'No route',
+  model_mismatch: 'No route',
+  busy: 'Servers busy',
+  unreachable: 'Servers unreachable',
+  shutting_down: 'Servers unreachable',
+  bad_server: 'A server answered wrongly',
+  bad_request: 'Bad request',
+  context_length_exceeded: 'Too long',
+};
+
 // An error worth showing as is, prefixed with the stage that failed.
 class StageError extends Error {
   constructor(stage, cause) {
     super(`${stage}: ${errorMessage(cause)}`);
+    this.kind = errorKind(cause);
     this.retryable = !(cause instanceof ConfigError);
   }
 }
@@ -418,11 +437,11 @@ export class CorollaChat extends HTMLElement {
   }
 
   // Records, shows and announces an error. Startup errors leave the element in "error".
-  #fail(message, { fatal, retryable = false }) {
+  #fail(message, { fatal, retryable = false, kind = 'internal' }) {
     this.#lastError = message;
     if (fatal) this.#setState('error');
     this.#showError(message, fatal && retryable);
-    this.#emit('corolla-error', { message });
+    this.#emit('corolla-error', { message, kind });
   }
 
   // Load the model's client part, then join the swarm. Also the Retry button's action.
@@ -470,7 +489,7 @@ export class CorollaChat extends HTMLElement {
       this.#startKeepAlive();
       this.#emit('corolla-ready', { model: this.#client.info().model, addresses });
     } catch (e) {
-      this.#fail(errorMessage(e), { fatal: true, retryable: e.retryable !== false });
+      this.#fail(errorMessage(e), { fatal: true, retryable: e.retryable !== false, kind: errorKind(e) });
     }
   }
 
@@ -700,9 +719,10 @@ export class CorollaChat extends HTMLElement {
       this.#addLine(botEl, 'meta', 'Failed; this turn is left out of the conversation.');
       this.#addActions();
       this.#setState('ready'); // before the event, so listeners may ask again at once
-      const stage = /no server covers|no route/i.test(message) ? 'No route' : 'Answer failed';
-      this.#fail(`${stage}: ${message}`, { fatal: false });
-      throw new Error(message);
+      const kind = errorKind(e);
+      const stage = STAGE_OF_KIND[kind] ?? 'Answer failed';
+      this.#fail(`${stage}: ${message}`, { fatal: false, kind });
+      throw Object.assign(new Error(message), { kind, retryable: e?.retryable ?? false });
     } finally {
       botEl.classList.remove('streaming');
     }

@@ -25,10 +25,13 @@ use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::time::Duration;
 
-use corolla_client::{Blocks, ChatMessage, Conversation, GenerateRequest, SessionSettings};
+use corolla_client::{
+    Blocks, ChatMessage, ClientError, Conversation, GenerateRequest, SessionSettings,
+};
 use corolla_model::{DType, Device, LlamaConfig, SamplingParams};
 use corolla_shared::flow::BROWSER_WINDOW;
 use corolla_shared::session::StepTimeout;
+use corolla_shared::ErrorKind;
 use js_sys::{Function, Promise};
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
@@ -130,8 +133,37 @@ struct AnswerJs<'a> {
     suspects: &'a [String],
 }
 
-fn error(message: impl std::fmt::Display) -> JsValue {
-    js_sys::Error::new(&message.to_string()).into()
+/// A JavaScript `Error` with `kind` (an [`ErrorKind`] word) and
+/// `retryable`, which the widget reads instead of the message.
+fn error_of(kind: ErrorKind, message: impl std::fmt::Display) -> JsValue {
+    let error = js_sys::Error::new(&message.to_string());
+    let _ = js_sys::Reflect::set(&error, &"kind".into(), &kind.as_str().into());
+    let _ = js_sys::Reflect::set(&error, &"retryable".into(), &kind.retryable().into());
+    error.into()
+}
+
+/// A mistake in what the page asked (arguments, settings, call order).
+fn bad_request(message: impl std::fmt::Display) -> JsValue {
+    error_of(ErrorKind::BadRequest, message)
+}
+
+/// A fault of the client itself (worker, serialisation).
+fn internal(message: impl std::fmt::Display) -> JsValue {
+    error_of(ErrorKind::Internal, message)
+}
+
+/// The swarm's or the request's failure, with the blocks nobody served
+/// (`uncovered: [[a, b], …]`) when that is the cause.
+fn client_error(e: ClientError) -> JsValue {
+    let error = error_of(e.kind(), &e);
+    if let Some(uncovered) = e.uncovered() {
+        let ranges: js_sys::Array = uncovered
+            .iter()
+            .map(|&(a, b)| js_sys::Array::of2(&(a as f64).into(), &(b as f64).into()))
+            .collect();
+        let _ = js_sys::Reflect::set(&error, &"uncovered".into(), &ranges);
+    }
+    error
 }
 
 /// The size of this instance's wasm memory (the page's or the worker's).
@@ -145,7 +177,7 @@ fn wasm_memory_bytes() -> f64 {
 fn to_js<T: Serialize>(value: &T) -> Result<JsValue, JsValue> {
     value
         .serialize(&serde_wasm_bindgen::Serializer::json_compatible())
-        .map_err(error)
+        .map_err(internal)
 }
 
 #[wasm_bindgen(start)]
@@ -178,11 +210,11 @@ impl CorollaClient {
     /// serves and builds tokenizer, chat template and head.
     /// `on_progress({file, loaded, total, cached})`.
     pub async fn load(server_url: String, on_progress: Function) -> Result<CorollaClient, JsValue> {
-        let head = HeadWorker::spawn().await.map_err(error)?;
+        let head = HeadWorker::spawn().await.map_err(internal)?;
         let loaded = head
             .load(server_url.trim_end_matches('/'), on_progress)
             .await
-            .map_err(error)?;
+            .map_err(|e| error_of(ErrorKind::Unreachable, e))?;
         let cfg = &loaded.config;
         let info = InfoJs {
             model: loaded.model.clone(),
@@ -216,7 +248,7 @@ impl CorollaClient {
     pub fn traffic(&self) -> Promise {
         let inner = self.inner.clone();
         future_to_promise(async move {
-            let traffic = inner.head.traffic().await.map_err(error)?;
+            let traffic = inner.head.traffic().await.map_err(internal)?;
             let worker = js_sys::Reflect::get(&traffic, &"wasm_memory_bytes".into())?
                 .as_f64()
                 .unwrap_or(0.0);
@@ -245,9 +277,11 @@ impl CorollaClient {
         let inner = self.inner.clone();
         future_to_promise(async move {
             if inner.busy.get() {
-                return Err(error("cannot join another swarm while answering"));
+                return Err(bad_request("cannot join another swarm while answering"));
             }
-            let node = swarm::connect(&bootstrap).await.map_err(error)?;
+            let node = swarm::connect(&bootstrap)
+                .await
+                .map_err(|e| error_of(e.kind, e.message))?;
             let blocks = Blocks::swarm(
                 node,
                 browser_sessions(&inner.model),
@@ -255,9 +289,9 @@ impl CorollaClient {
                 DType::F32,
                 &Device::Cpu,
             )
-            .map_err(error)?;
+            .map_err(client_error)?;
             if inner.busy.get() {
-                return Err(error("cannot join another swarm while answering"));
+                return Err(bad_request("cannot join another swarm while answering"));
             }
             inner.blocks.replace(Some(Rc::new(blocks)));
             // Sessions on the old swarm are of no use any more.
@@ -276,8 +310,12 @@ impl CorollaClient {
         future_to_promise(async move {
             let blocks = joined(&inner)?;
             let messages: Vec<ChatMessage> = serde_wasm_bindgen::from_value(messages)
-                .map_err(|e| error(format!("messages must be [{{role, content}}]: {e}")))?;
-            let prompt_ids = inner.head.chat_prompt(messages).await.map_err(error)?;
+                .map_err(|e| bad_request(format!("messages must be [{{role, content}}]: {e}")))?;
+            let prompt_ids = inner
+                .head
+                .chat_prompt(messages)
+                .await
+                .map_err(bad_request)?;
             answer(&inner, &blocks, prompt_ids, settings, on_token).await
         })
     }
@@ -287,7 +325,7 @@ impl CorollaClient {
         let inner = self.inner.clone();
         future_to_promise(async move {
             let blocks = joined(&inner)?;
-            let prompt_ids = inner.head.encode(prompt).await.map_err(error)?;
+            let prompt_ids = inner.head.encode(prompt).await.map_err(bad_request)?;
             answer(&inner, &blocks, prompt_ids, settings, on_token).await
         })
     }
@@ -322,7 +360,7 @@ impl CorollaClient {
         let inner = self.inner.clone();
         future_to_promise(async move {
             if inner.busy.get() {
-                return Err(error("an answer is being generated"));
+                return Err(bad_request("an answer is being generated"));
             }
             let old = inner.conversation.replace(Conversation::new());
             old.close().await;
@@ -336,7 +374,7 @@ fn joined(inner: &Inner) -> Result<Rc<Blocks>, JsValue> {
         .blocks
         .borrow()
         .clone()
-        .ok_or_else(|| error("not connected: call connect() first"))
+        .ok_or_else(|| bad_request("not connected: call connect() first"))
 }
 
 /// Clears the busy flag however the answer ends.
@@ -365,15 +403,15 @@ async fn answer(
     } else {
         serde_wasm_bindgen::from_value(settings)
     }
-    .map_err(|e| error(format!("bad settings: {e}")))?;
+    .map_err(|e| bad_request(format!("bad settings: {e}")))?;
     if settings.max_new_tokens == 0 || settings.max_new_tokens > MAX_NEW_TOKENS {
-        return Err(error(format!(
+        return Err(bad_request(format!(
             "max_new_tokens must be 1..={MAX_NEW_TOKENS}, not {}",
             settings.max_new_tokens
         )));
     }
     if inner.busy.replace(true) {
-        return Err(error("an answer is already being generated"));
+        return Err(bad_request("an answer is already being generated"));
     }
     let _busy = BusyGuard(&inner.busy);
     inner.stop.set(false);
@@ -397,7 +435,7 @@ async fn answer(
         .head
         .begin(&inner.config, sampling, &piece)
         .await
-        .map_err(error)?;
+        .map_err(internal)?;
     let on_token = |token: u32| {
         let piece = piece.borrow_mut().pop_front().unwrap_or_default();
         if let Err(e) = on_token.call2(&JsValue::NULL, &piece.into(), &token.into()) {
@@ -415,13 +453,13 @@ async fn answer(
         .answer(&mut head, &mut conversation, &request, on_token)
         .await;
     inner.conversation.replace(conversation);
-    let answer = answer.map_err(error)?;
+    let answer = answer.map_err(client_error)?;
     let output = &answer.output;
     let text = inner
         .head
         .decode(output.generated_ids.clone())
         .await
-        .map_err(error)?;
+        .map_err(internal)?;
     to_js(&AnswerJs {
         text,
         prompt_ids: &output.prompt_ids,

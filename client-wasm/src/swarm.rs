@@ -7,6 +7,7 @@ use std::time::Duration;
 use corolla_shared::browser::build_browser_swarm;
 use corolla_shared::node::{Node, NodeHandle};
 use corolla_shared::peers::split_peer;
+use corolla_shared::ErrorKind;
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 
@@ -56,16 +57,35 @@ fn parse_bootstrap(bootstrap: &[String]) -> Result<Vec<(PeerId, Multiaddr)>, Str
         .collect()
 }
 
+/// Why the page could not join: bad addresses (`bad_request`) or no
+/// bootstrap peer answering (`unreachable`).
+#[derive(Debug)]
+pub struct ConnectError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl ConnectError {
+    fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        ConnectError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
 /// Starts the page's node and connects it to at least one bootstrap peer.
 /// Servers found later are dialed only on the transports `bootstrap` uses.
-pub async fn connect(bootstrap: &[String]) -> Result<NodeHandle, String> {
-    let peers = parse_bootstrap(bootstrap)?;
+pub async fn connect(bootstrap: &[String]) -> Result<NodeHandle, ConnectError> {
+    let peers =
+        parse_bootstrap(bootstrap).map_err(|e| ConnectError::new(ErrorKind::BadRequest, e))?;
     let allowed: Vec<BrowserTransport> = peers
         .iter()
         .filter_map(|(_, addr)| transport_of(addr))
         .collect();
     let key = libp2p::identity::Keypair::generate_ed25519();
-    let swarm = build_browser_swarm(key, UPDATE_PERIOD).map_err(|e| e.to_string())?;
+    let swarm = build_browser_swarm(key, UPDATE_PERIOD)
+        .map_err(|e| ConnectError::new(ErrorKind::Internal, e.to_string()))?;
     let (mut node, handle, _events) = Node::new(swarm);
     node.client_dht();
     node.only_dial(Box::new(move |addr| {
@@ -103,5 +123,8 @@ pub async fn connect(bootstrap: &[String]) -> Result<NodeHandle, String> {
             }
         }
     }
-    Err(format!("cannot reach the swarm: {}", errors.join("; ")))
+    Err(ConnectError::new(
+        ErrorKind::Unreachable,
+        format!("cannot reach the swarm: {}", errors.join("; ")),
+    ))
 }

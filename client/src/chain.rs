@@ -11,7 +11,7 @@ use corolla_model::{Device, Tensor};
 use corolla_shared::node::{NodeHandle, Via};
 use corolla_shared::protocol::{OpenRequest, PushTarget, StepHeader};
 use corolla_shared::session::{RemoteSession, SessionError};
-use corolla_shared::TensorPayload;
+use corolla_shared::{ErrorKind, TensorPayload};
 use libp2p::PeerId;
 use serde::Serialize;
 use web_time::Instant;
@@ -226,7 +226,7 @@ impl RemoteChain {
                     tracing::debug!(error = %e, "cannot open a session; routing around that server");
                     chain
                         .view
-                        .ban_for(&e.peer().to_string(), &failure_reason(&e));
+                        .ban_for(&e.peer().to_string(), e.kind(), &failure_reason(&e));
                 }
                 Err(e) => return Err(e),
             }
@@ -400,7 +400,8 @@ impl RemoteChain {
         let started = Instant::now();
         let failed = error.peer().to_string();
         tracing::warn!(peer = %failed, %error, "server failed; finding a replacement");
-        self.view.ban_for(&failed, &failure_reason(error));
+        self.view
+            .ban_for(&failed, error.kind(), &failure_reason(error));
         let (from, to) = (self.hops[index].start, self.hops[index].end);
         let mut attempts = 0;
         loop {
@@ -428,7 +429,7 @@ impl RemoteChain {
                     tracing::warn!(error = %e, "replacement failed too");
                     if let ClientError::Session(se) = &e {
                         self.view
-                            .ban_for(&se.peer().to_string(), &failure_reason(se));
+                            .ban_for(&se.peer().to_string(), se.kind(), &failure_reason(se));
                     }
                     if attempts > self.settings.max_retries {
                         return Err(e);
@@ -626,8 +627,11 @@ impl RemoteChain {
     /// Bans `peers`, caught lying, and reports them.
     fn suspect(&mut self, peers: &[String]) {
         for peer in peers {
-            self.view
-                .ban_for(peer, "returned wrong activations (spot check)");
+            self.view.ban_for(
+                peer,
+                ErrorKind::BadServer,
+                "returned wrong activations (spot check)",
+            );
         }
         self.report(peers);
     }

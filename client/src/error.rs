@@ -1,6 +1,7 @@
 //! The client crate's error type.
 
 use corolla_shared::session::SessionError;
+use corolla_shared::ErrorKind;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -40,6 +41,9 @@ pub enum ClientError {
         uncovered: Vec<(usize, usize)>,
         /// `peer (blocks a..b): why`, one per server.
         reasons: Vec<String>,
+        /// Busy when any of them was (asking later can help), else the
+        /// kind of the failures most of them had.
+        cause: ErrorKind,
     },
     #[error("spot checks found wrong activations and no honest server is left for blocks {start}..{end}")]
     NoHonestServer { start: usize, end: usize },
@@ -50,6 +54,54 @@ pub enum ClientError {
     Network(String),
     #[error(transparent)]
     Session(#[from] SessionError),
+}
+
+impl ClientError {
+    /// What kind of failure this is, in the words every surface shares.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ClientError::Model(corolla_model::ModelError::InvalidSampling(_))
+            | ClientError::Tokenizer(_)
+            | ClientError::EmptyPrompt
+            | ClientError::BadRequest(_) => ErrorKind::BadRequest,
+            ClientError::Model(_) | ClientError::Head(_) => ErrorKind::Internal,
+            ClientError::TooLong { .. } | ClientError::SessionTooLong { .. } => {
+                ErrorKind::ContextLengthExceeded
+            }
+            ClientError::NoRoute { .. } => ErrorKind::NoCoverage,
+            ClientError::MixedQuantization { .. } => ErrorKind::ModelMismatch,
+            ClientError::Refused { cause, .. } => *cause,
+            ClientError::NoHonestServer { .. } => ErrorKind::BadServer,
+            ClientError::Network(_) => ErrorKind::Unreachable,
+            ClientError::Session(e) => e.kind(),
+        }
+    }
+
+    /// The blocks no server could serve, when that is why it failed.
+    pub fn uncovered(&self) -> Option<Vec<(usize, usize)>> {
+        match self {
+            ClientError::NoRoute { uncovered }
+            | ClientError::MixedQuantization { uncovered, .. }
+            | ClientError::Refused { uncovered, .. } => Some(uncovered.clone()),
+            ClientError::NoHonestServer { start, end } => Some(vec![(*start, *end)]),
+            _ => None,
+        }
+    }
+
+    /// `{"kind", "message", "retryable", "uncovered"?}`: how a program is
+    /// told of this error (the CLI's `--json`, the page's client).
+    pub fn to_json(&self) -> serde_json::Value {
+        let kind = self.kind();
+        let mut json = serde_json::json!({
+            "kind": kind,
+            "message": self.to_string(),
+            "retryable": kind.retryable(),
+        });
+        if let Some(uncovered) = self.uncovered() {
+            json["uncovered"] = serde_json::json!(uncovered);
+        }
+        json
+    }
 }
 
 fn format_ranges(ranges: &[(usize, usize)]) -> String {

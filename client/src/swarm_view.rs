@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use corolla_shared::node::NodeHandle;
 use corolla_shared::session::fetch_info;
-use corolla_shared::ServerRecord;
+use corolla_shared::{ErrorKind, ServerRecord};
 use libp2p::{Multiaddr, PeerId};
 use web_time::Instant;
 
@@ -63,7 +63,7 @@ struct ViewState {
     /// Moving averages of measured decode-step seconds per block, by peer id.
     step_per_block: HashMap<String, f64>,
     /// The last refusal or failure of each server, for error messages.
-    last_failure: HashMap<String, String>,
+    last_failure: HashMap<String, (ErrorKind, String)>,
     /// Peer id -> (failures so far, banned until).
     bans: HashMap<String, (u32, Instant)>,
     refreshing: bool,
@@ -359,24 +359,24 @@ impl SwarmView {
     /// `from..to`: "busy: 16/16 sessions", "max_length 300 exceeds 256", ….
     fn explain(&self, error: ClientError, from: usize, to: usize) -> ClientError {
         let state = self.state();
-        let mut reasons: Vec<String> = state
+        let mut failures: Vec<(ErrorKind, String)> = state
             .records
             .iter()
             .filter(|r| (r.start as usize) < to && (r.end as usize) > from)
             .filter_map(|r| {
-                let why = match state.last_failure.get(&r.peer_id) {
-                    Some(why) => why.clone(),
-                    None if !can_dial(r) => unreachable_reason(r),
+                let (kind, why) = match state.last_failure.get(&r.peer_id) {
+                    Some(failure) => failure.clone(),
+                    None if !can_dial(r) => (ErrorKind::Unreachable, unreachable_reason(r)),
                     None => return None,
                 };
-                Some(format!(
-                    "{} (blocks {}..{}): {why}",
-                    r.peer_id, r.start, r.end
-                ))
+                let reason = format!("{} (blocks {}..{}): {why}", r.peer_id, r.start, r.end);
+                Some((kind, reason))
             })
             .collect();
-        reasons.sort();
-        reasons.dedup();
+        failures.sort_by(|a, b| a.1.cmp(&b.1));
+        failures.dedup_by(|a, b| a.1 == b.1);
+        let cause = main_cause(failures.iter().map(|(kind, _)| *kind));
+        let reasons: Vec<String> = failures.into_iter().map(|(_, reason)| reason).collect();
         if let ClientError::NoRoute { uncovered } = &error {
             // Servers of the other quantization hold part of a gap.
             let other_covers = uncovered.iter().any(|&(a, b)| {
@@ -397,9 +397,11 @@ impl SwarmView {
             }
         }
         match error {
-            ClientError::NoRoute { uncovered } if !reasons.is_empty() => {
-                ClientError::Refused { uncovered, reasons }
-            }
+            ClientError::NoRoute { uncovered } if !reasons.is_empty() => ClientError::Refused {
+                uncovered,
+                reasons,
+                cause,
+            },
             other => other,
         }
     }
@@ -411,7 +413,7 @@ impl SwarmView {
         let busy: Vec<String> = state
             .last_failure
             .iter()
-            .filter(|(_, why)| why.starts_with("busy"))
+            .filter(|(_, (kind, _))| *kind == ErrorKind::Busy)
             .map(|(peer, _)| peer.clone())
             .collect();
         for peer in busy {
@@ -421,10 +423,10 @@ impl SwarmView {
     }
 
     /// Bans `peer` after `why`, kept for error messages; see [`Self::ban`].
-    pub fn ban_for(&self, peer: &str, why: &str) {
+    pub fn ban_for(&self, peer: &str, kind: ErrorKind, why: &str) {
         self.state()
             .last_failure
-            .insert(peer.to_string(), why.to_string());
+            .insert(peer.to_string(), (kind, why.to_string()));
         self.ban(peer);
     }
 
@@ -448,6 +450,29 @@ impl SwarmView {
     pub fn is_banned(&self, peer: &str) -> bool {
         self.state().banned(peer)
     }
+}
+
+/// What a crowd of failures amounts to: busy when any server was (asking
+/// later can help), else the kind most of them had.
+fn main_cause(kinds: impl Iterator<Item = ErrorKind>) -> ErrorKind {
+    let mut counts: Vec<(ErrorKind, usize)> = Vec::new();
+    for kind in kinds {
+        if kind == ErrorKind::Busy {
+            return ErrorKind::Busy;
+        }
+        match counts.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((kind, 1)),
+        }
+    }
+    // The first of the most frequent, so that the order of servers decides ties.
+    let mut best: Option<(ErrorKind, usize)> = None;
+    for (kind, n) in counts {
+        if best.is_none_or(|(_, most)| n > most) {
+            best = Some((kind, n));
+        }
+    }
+    best.map_or(ErrorKind::NoCoverage, |(kind, _)| kind)
 }
 
 /// Who dials: a page has WebRTC-direct and WebSocket transports and can

@@ -12,6 +12,7 @@ pub mod behaviour;
 #[cfg(all(feature = "browser", target_arch = "wasm32"))]
 pub mod browser;
 pub mod coverage;
+pub mod error_kind;
 pub mod flow;
 pub mod framing;
 pub mod limits;
@@ -29,6 +30,7 @@ pub mod swarm_report;
 pub mod tensor;
 pub mod time;
 
+pub use error_kind::ErrorKind;
 pub use limits::Limits;
 pub use record::{Reachability, ServerRecord};
 pub use tensor::{Compression, TensorCodecError, TensorPayload, TensorView, WireDType};

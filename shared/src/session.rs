@@ -398,11 +398,15 @@ async fn fetch_info_once(
 /// unaccepted inbound stream per protocol and drops the others, so when
 /// many clients arrive together while a server's cores are busy computing,
 /// streams are lost before the server sees them; nothing was done on them,
-/// so asking again is safe.
-pub const DROPPED_STREAM_TRIES: u32 = 5;
+/// so asking again is safe. A crowd of eight at a server that accepts one
+/// stream per 300 ms needs ~2.4 s of tries for its last member: five tries
+/// (1.2 s of waits) lost opens when the machine was loaded.
+pub const DROPPED_STREAM_TRIES: u32 = 10;
 
-/// The wait before the second try; it doubles for each later one.
+/// The wait before the second try; it doubles for each later one, up to
+/// [`DROPPED_STREAM_BACKOFF_MAX`] (~3 s of waits over all tries).
 const DROPPED_STREAM_BACKOFF: Duration = Duration::from_millis(40);
+const DROPPED_STREAM_BACKOFF_MAX: Duration = Duration::from_millis(500);
 
 /// Runs `attempt` until it succeeds, fails otherwise than by a dropped
 /// stream, [`DROPPED_STREAM_TRIES`] are spent, or `timeout` has passed.
@@ -426,7 +430,7 @@ where
             {
                 tracing::debug!(peer = %e.peer(), tries, "stream dropped before any answer; opening another");
                 crate::time::sleep(backoff).await;
-                backoff *= 2;
+                backoff = (backoff * 2).min(DROPPED_STREAM_BACKOFF_MAX);
                 tries += 1;
             }
             other => return other,

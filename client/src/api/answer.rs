@@ -23,8 +23,7 @@ use crate::error::ClientError;
 use crate::generate::StopReason;
 use crate::stop::StopSequences;
 use crate::text::TextStream;
-use corolla_shared::protocol::ErrorCode;
-use corolla_shared::session::SessionError;
+use corolla_shared::ErrorKind;
 
 /// What the generation task reports.
 pub(super) enum Progress {
@@ -56,11 +55,7 @@ pub(super) fn spawn_answer(
 
 /// Whether a failed answer was refused for want of sessions.
 fn is_busy(e: &ClientError) -> bool {
-    match e {
-        ClientError::Refused { reasons, .. } => reasons.iter().any(|r| r.contains("busy")),
-        ClientError::Session(SessionError::Remote { code, .. }) => *code == ErrorCode::Busy,
-        _ => false,
-    }
+    e.kind() == ErrorKind::Busy
 }
 
 pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSender<Progress>) {

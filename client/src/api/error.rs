@@ -5,6 +5,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use corolla_shared::ErrorKind;
+
 use crate::error::ClientError;
 
 /// An error in OpenAI's shape: `{"error": {message, type, param, code}}`.
@@ -28,7 +30,7 @@ impl ApiError {
     }
 
     pub(super) fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
+        Self::new(StatusCode::BAD_REQUEST, message).with_code(ErrorKind::BadRequest.as_str())
     }
 
     pub(super) fn with_code(mut self, code: &'static str) -> Self {
@@ -39,11 +41,11 @@ impl ApiError {
     /// The label `/metrics` counts this error under.
     pub(super) fn kind(&self) -> &'static str {
         match (self.code, self.status) {
+            (_, StatusCode::PAYLOAD_TOO_LARGE) => "body_too_large",
             (Some(code), _) => code,
-            (None, StatusCode::BAD_REQUEST) => "invalid_request",
+            (None, StatusCode::BAD_REQUEST) => ErrorKind::BadRequest.as_str(),
             (None, StatusCode::NOT_FOUND) => "not_found",
-            (None, StatusCode::PAYLOAD_TOO_LARGE) => "body_too_large",
-            (None, s) if s.is_server_error() => "server_error",
+            (None, s) if s.is_server_error() => ErrorKind::Internal.as_str(),
             _ => "other",
         }
     }
@@ -65,25 +67,18 @@ impl IntoResponse for ApiError {
 }
 
 impl From<ClientError> for ApiError {
+    /// The error's kind is its `code`; the status says who can fix it.
     fn from(e: ClientError) -> Self {
-        match &e {
-            ClientError::NoRoute { .. } | ClientError::Refused { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).with_code("no_route")
-            }
-            ClientError::MixedQuantization { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-                    .with_code("mixed_quantization")
-            }
-            ClientError::TooLong { .. } | ClientError::SessionTooLong { .. } => {
-                ApiError::bad_request(e.to_string()).with_code("context_length_exceeded")
-            }
-            ClientError::EmptyPrompt | ClientError::BadRequest(_) | ClientError::Tokenizer(_) => {
-                ApiError::bad_request(e.to_string())
-            }
-            ClientError::Model(corolla_model::ModelError::InvalidSampling(_)) => {
-                ApiError::bad_request(e.to_string())
-            }
-            _ => ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()).with_code("swarm_error"),
-        }
+        let kind = e.kind();
+        let status = match kind {
+            ErrorKind::BadRequest | ErrorKind::ContextLengthExceeded => StatusCode::BAD_REQUEST,
+            ErrorKind::NoCoverage
+            | ErrorKind::ModelMismatch
+            | ErrorKind::Busy
+            | ErrorKind::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Unreachable | ErrorKind::BadServer => StatusCode::BAD_GATEWAY,
+            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.to_string()).with_code(kind.as_str())
     }
 }

@@ -6,6 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::body::{Body, Bytes};
 use axum::http::StatusCode;
 use corolla_model::SamplingParams;
+use corolla_shared::ErrorKind;
 use serde::Deserialize;
 
 use super::error::ApiError;
@@ -99,6 +100,7 @@ pub(super) async fn parse_body<T: serde::de::DeserializeOwned>(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("the request body is over {max} bytes"),
         )
+        .with_code(ErrorKind::BadRequest.as_str())
     })?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
@@ -209,7 +211,7 @@ pub(super) fn job(state: &ApiState, common: Common, prompt_ids: Vec<u32>) -> Res
             "the prompt takes {} tokens; with max_tokens {max_new_tokens} that exceeds this model's limit of {limit} positions (the servers' inference_max_length and the model's context)",
             prompt_ids.len()
         ))
-        .with_code("context_length_exceeded"));
+        .with_code(ErrorKind::ContextLengthExceeded.as_str()));
     }
     Ok(Job {
         request: GenerateRequest {

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use corolla_model::convert::{convert, ConvertProgress};
 use corolla_model::fingerprint::default_model_name;
-use corolla_shared::ServerRecord;
+use corolla_shared::{ErrorKind, ServerRecord};
 use indicatif::{ProgressBar, ProgressStyle};
 use libp2p::Multiaddr;
 use serde::Serialize;
@@ -158,7 +158,54 @@ struct ConvertArgs {
 pub fn run() -> Result<()> {
     init_runtime();
     let cli = Cli::parse();
-    match cli.command {
+    let json = match &cli.command {
+        Command::Generate(args) => args.json,
+        Command::Swarm(args) => args.json,
+        _ => false,
+    };
+    let result = run_command(cli.command);
+    if let (Err(e), true) = (&result, json) {
+        // A program reading stdout gets the failure in the same shape as
+        // the answer it waited for; the exit status still says it failed.
+        println!("{}", serde_json::json!({ "error": error_json(e) }));
+        std::process::exit(1);
+    }
+    result
+}
+
+/// `{"kind", "message", "retryable", "uncovered"?}` for `--json`: the kind
+/// of the client error behind `e`, or of the failure it wraps.
+fn error_json(e: &anyhow::Error) -> serde_json::Value {
+    if let Some(client) = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<crate::error::ClientError>())
+    {
+        let mut json = client.to_json();
+        json["message"] = serde_json::json!(format!("{e:#}"));
+        return json;
+    }
+    let kind = if let Some(session) = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<corolla_shared::session::SessionError>())
+    {
+        session.kind()
+    } else if e.chain().any(|c| c.is::<corolla_shared::node::NodeError>()) {
+        ErrorKind::Unreachable
+    } else if e.chain().any(|c| c.is::<std::io::Error>()) {
+        // Files and folders the command was given.
+        ErrorKind::BadRequest
+    } else {
+        ErrorKind::Internal
+    };
+    serde_json::json!({
+        "kind": kind,
+        "message": format!("{e:#}"),
+        "retryable": kind.retryable(),
+    })
+}
+
+fn run_command(command: Command) -> Result<()> {
+    match command {
         Command::Generate(args) => run_generate(args),
         Command::Convert(args) => run_convert(args),
         Command::Swarm(args) => runtime()?.block_on(run_swarm(args)),

@@ -261,15 +261,24 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
     assert_eq!(errors["too_long"]["status"], 400);
     let too_long = errors["too_long"]["message"].as_str().unwrap();
     assert!(too_long.contains("2048"), "the limit is named: {too_long}");
-    assert_eq!(errors["wrong_type"]["status"], 400);
-    assert_eq!(errors["bad_role"]["status"], 400);
+    assert_eq!(error_code(&errors["too_long"]), "context_length_exceeded");
+    // Every refusal carries its kind as the code, the words the CLI's
+    // --json and the page use too.
+    for bad in ["wrong_type", "bad_role", "malformed"] {
+        assert_eq!(errors[bad]["status"], 400, "{bad}: {errors}");
+        assert_eq!(error_code(&errors[bad]), "bad_request", "{bad}: {errors}");
+    }
     assert_eq!(errors["huge_max_tokens"]["status"], 400, "{errors}");
-    assert_eq!(errors["malformed"]["status"], 400);
+    assert_eq!(
+        error_code(&errors["huge_max_tokens"]),
+        "context_length_exceeded"
+    );
     assert!(errors["malformed"]["body"]["error"]["message"]
         .as_str()
         .unwrap()
         .contains("JSON"));
     assert_eq!(errors["huge_body"]["status"], 413);
+    assert_eq!(error_code(&errors["huge_body"]), "bad_request");
 
     // The follow-up and the repeated questions reused their conversations' sessions.
     let metrics = curl(&[
@@ -372,6 +381,7 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
     let got = run_check(python, &api, name, "no-route");
     let no_route = &got["no_route"];
     assert_eq!(no_route["status"], 503, "{no_route}");
+    assert_eq!(error_code(no_route), "no_coverage", "{no_route}");
     assert!(
         no_route["message"].as_str().unwrap().contains("20..30"),
         "{no_route}"

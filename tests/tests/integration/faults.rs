@@ -612,3 +612,47 @@ async fn a_leaving_server_costs_its_sessions_less_than_a_vanished_one() {
     );
     assert!(left * 2 < vanished, "{left:?} vs {vanished:?}");
 }
+
+/// What `corolla generate --json` prints when it cannot answer: one JSON
+/// object on stdout whose `error.kind` names the cause (blocks 1..3 served
+/// by nobody; once they are, a request longer than the model), and a
+/// failed exit status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reports_why_it_failed_as_a_kind_in_json() {
+    let first = start("0:1", None, &[]).await;
+    let boot = addr(&first);
+    let _last = start("3:4", Some(&boot), &[]).await;
+    let model = tiny_llama();
+    let generate = |extra: &'static [&'static str]| {
+        let mut cmd = tokio::process::Command::new(corolla_bin());
+        cmd.args(["generate", "--model", model.to_str().unwrap()])
+            .args(["--initial-peers", &boot, "--json", "--prompt", "Hello"])
+            .args(["--discovery-timeout", "2"])
+            .args(extra)
+            .env("RUST_LOG", "error");
+        cmd.output()
+    };
+    let failure = |out: std::process::Output| {
+        assert!(!out.status.success(), "it succeeded");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let json: serde_json::Value = serde_json::from_str(stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
+        assert!(
+            json["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{json}"
+        );
+        json["error"].clone()
+    };
+
+    let error = failure(generate(&[]).await.unwrap());
+    assert_eq!(error["kind"], "no_coverage", "{error}");
+    assert_eq!(error["retryable"], true, "{error}");
+    assert_eq!(error["uncovered"], serde_json::json!([[1, 3]]), "{error}");
+
+    let _middle = start("1:3", Some(&boot), &[]).await;
+    let error = failure(generate(&["--max-new-tokens", "100000"]).await.unwrap());
+    assert_eq!(error["kind"], "context_length_exceeded", "{error}");
+    assert_eq!(error["retryable"], false, "{error}");
+}
