@@ -412,7 +412,8 @@ try {
     ]);
     if (outcome.kind === 'error') {
       failed = true;
-      emit({ event: 'error', message: outcome.detail.message });
+      const banner = await chat.evaluate((el) => el.shadowRoot.querySelector('#error')?.textContent ?? null);
+      emit({ event: 'error', message: outcome.detail.message, kind: outcome.detail.kind, banner });
       break;
     }
     privateWatch?.mark(`answer ${i}`);

@@ -180,25 +180,7 @@ pub fn compute_rate_macs_per_s(
     quant: WeightQuant,
     rounds: usize,
 ) -> anyhow::Result<f64> {
-    let path = dir.join("cache-resident.gguf");
-    let shape = ModelShape::Llama2_70b;
-    let spec = RandomGguf {
-        config: LlamaConfig {
-            hidden_size: 512,
-            intermediate_size: 1536,
-            num_attention_heads: 8,
-            num_key_value_heads: 4,
-            head_dim: 64,
-            vocab_size: 512,
-            ..shape.config(2)
-        },
-        vocabulary: shape,
-        quant,
-        seed: 3,
-        name: "cache-resident".into(),
-    };
-    write_random_gguf(&path, &spec, |_, _| {})?;
-    let checkpoint = Checkpoint::open(&path)?.with_quantized_weights(QuantizedWeights::Keep);
+    let checkpoint = small_kept_quantized(dir, "cache-resident", 512, 1536, quant, 3)?;
     let measured = span_batching(&checkpoint, rounds)?;
     let ms = measured
         .step_ms
@@ -206,4 +188,37 @@ pub fn compute_rate_macs_per_s(
         .find(|(b, _)| *b == 16)
         .map_or(f64::NAN, |(_, ms)| *ms);
     Ok(16.0 * measured.macs_per_row as f64 / (ms / 1e3))
+}
+
+/// A two-layer checkpoint of the 70B's Llama shape scaled down to
+/// `hidden` (heads of 64, two query heads per KV head) with random `quant`
+/// weights, written into `dir` and opened to compute kept quantized.
+pub fn small_kept_quantized(
+    dir: &Path,
+    name: &str,
+    hidden: usize,
+    intermediate: usize,
+    quant: WeightQuant,
+    seed: u64,
+) -> anyhow::Result<Checkpoint> {
+    let path = dir.join(format!("{name}.gguf"));
+    let shape = ModelShape::Llama2_70b;
+    let heads = hidden / 64;
+    let spec = RandomGguf {
+        config: LlamaConfig {
+            hidden_size: hidden,
+            intermediate_size: intermediate,
+            num_attention_heads: heads,
+            num_key_value_heads: heads / 2,
+            head_dim: 64,
+            vocab_size: 512,
+            ..shape.config(2)
+        },
+        vocabulary: shape,
+        quant,
+        seed,
+        name: name.into(),
+    };
+    write_random_gguf(&path, &spec, |_, _| {})?;
+    Ok(Checkpoint::open(&path)?.with_quantized_weights(QuantizedWeights::Keep))
 }

@@ -505,6 +505,42 @@ fn page_answers_a_mistral_model_as_the_native_client_does() {
     assert_route_covers(&answer, 3);
 }
 
+/// A page whose swarm lacks a block: the answer fails with the kind
+/// `no_coverage` (the client's word, not a parsed message), and the
+/// widget's banner and `corolla-error` event say so ("No route").
+#[test]
+fn a_page_whose_swarm_lacks_a_block_reports_no_coverage() {
+    let _one = serial();
+    let Some(mut swarm) = ready("a page whose swarm lacks a block") else {
+        return;
+    };
+    let model = corolla_tests::fixtures_dir().join("families/mistral");
+    swarm.start_page_server(&model, 0, 2, &[]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let run = run_page(
+        &format!("{http}/?transport=websocket"),
+        &["Which blocks are missing?"],
+        4,
+        "chat-page-no-coverage",
+        || {},
+    );
+    assert!(run.answers().is_empty(), "it answered: {:?}", run.events);
+    let error = run
+        .events
+        .iter()
+        .find(|e| e["event"] == "error")
+        .unwrap_or_else(|| panic!("no error event: {:?}\n{}", run.events, run.stderr));
+    assert_eq!(error["kind"], "no_coverage", "{error}");
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with("No route: "), "{error}");
+    assert!(
+        message.contains("2..3"),
+        "the missing blocks are named: {error}"
+    );
+    let banner = error["banner"].as_str().unwrap_or_default();
+    assert!(banner.contains("No route"), "{error}");
+}
+
 /// A self-signed certificate for `ip`, as `--tls-cert`/`--tls-key` take it.
 struct TestTls {
     cert: std::path::PathBuf,

@@ -166,8 +166,10 @@ pub fn run() -> Result<()> {
     let result = run_command(cli.command);
     if let (Err(e), true) = (&result, json) {
         // A program reading stdout gets the failure in the same shape as
-        // the answer it waited for; the exit status still says it failed.
+        // the answer it waited for; a person (or a log) reads stderr, as
+        // without --json; the exit status still says it failed.
         println!("{}", serde_json::json!({ "error": error_json(e) }));
+        eprintln!("Error: {e:#}");
         std::process::exit(1);
     }
     result

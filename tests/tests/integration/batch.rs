@@ -143,31 +143,11 @@ fn batched_equals_alone(span: &BlockSpan) {
 /// batched kernel and one left over).
 #[test]
 fn a_kept_quantized_batched_decode_step_is_each_step_alone_bit_for_bit() {
-    use corolla_model::config::LlamaConfig;
-    use corolla_model::random_gguf::{write_random_gguf, ModelShape, RandomGguf, WeightQuant};
-    use corolla_model::QuantizedWeights;
+    use corolla_model::random_gguf::WeightQuant;
+    use corolla_tests::span_batching::small_kept_quantized;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("q4_1.gguf");
-    let shape = ModelShape::Llama2_70b;
-    let spec = RandomGguf {
-        config: LlamaConfig {
-            hidden_size: 256,
-            intermediate_size: 704,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            head_dim: 64,
-            vocab_size: 512,
-            ..shape.config(2)
-        },
-        vocabulary: shape,
-        quant: WeightQuant::Q4_1,
-        seed: 5,
-        name: "q4_1-batch".into(),
-    };
-    write_random_gguf(&path, &spec, |_, _| {}).unwrap();
-    let checkpoint = Checkpoint::open(&path)
-        .unwrap()
-        .with_quantized_weights(QuantizedWeights::Keep);
+    let checkpoint =
+        small_kept_quantized(dir.path(), "q4_1-batch", 256, 704, WeightQuant::Q4_1, 5).unwrap();
     let span = BlockSpan::load(&checkpoint, 0, 2, DType::F32, &Device::Cpu).unwrap();
     let bits = |t: &Tensor| -> Vec<u32> {
         let values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -1,0 +1,260 @@
+//! Spot checks: a sampled step's output is compared with a witness's
+//! (other servers of the blocks, else the client's own copy); when they
+//! differ a third opinion decides who lied, and only a server outvoted is
+//! banned.
+
+use std::collections::HashSet;
+
+use corolla_shared::session::SessionError;
+use corolla_shared::{ErrorKind, TensorPayload};
+use libp2p::PeerId;
+
+use super::RemoteChain;
+use crate::spot_check::{agree_within, tolerance_on_the_wire, Witness, WitnessError};
+
+/// Witnesses (and third opinions) asked for one check before giving up:
+/// servers that fail are replaced by others, then by the client's own
+/// blocks where it has them.
+const WITNESS_TRIES: usize = 3;
+
+/// What a new witness is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Witness,
+    ThirdOpinion,
+}
+
+/// The first of `peers` as a peer id (they came from parsed records).
+fn first_peer(peers: &[String]) -> PeerId {
+    peers
+        .first()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(PeerId::random())
+}
+
+impl RemoteChain {
+    /// Checks `primary`, hop `index`'s output for `input`, against a
+    /// witness. Returns the output to go on with; `Err` names a primary
+    /// server found lying (the caller replaces it and repeats the step).
+    pub(super) async fn spot_check(
+        &mut self,
+        index: usize,
+        start: u32,
+        input: &TensorPayload,
+        primary: TensorPayload,
+    ) -> Result<TensorPayload, SessionError> {
+        let primary_peers = self.hops[index].peers();
+        let Some(witnessed) = self
+            .witness_output(index, start, input, &primary_peers)
+            .await
+        else {
+            return Ok(primary);
+        };
+        let tolerance = tolerance_on_the_wire(primary.dtype, self.settings.compression);
+        let agree = move |a: &TensorPayload, b: &TensorPayload| agree_within(a, b, tolerance);
+        if agree(&primary, &witnessed) {
+            return Ok(primary);
+        }
+        let witness_peers = self.hops[index]
+            .witness
+            .as_ref()
+            .map(|(w, _)| w.peers())
+            .unwrap_or_default();
+        tracing::warn!(
+            primary = ?primary_peers,
+            witness = ?witness_peers,
+            "spot check: outputs differ; asking a third opinion"
+        );
+        if witness_peers.is_empty() {
+            // The client's own computation needs no second opinion.
+            self.suspect(&primary_peers);
+            return Err(SessionError::Caught {
+                peer: first_peer(&primary_peers),
+            });
+        }
+        let exclude: HashSet<String> = primary_peers
+            .iter()
+            .chain(&witness_peers)
+            .cloned()
+            .collect();
+        let third = self.third_opinion(index, start, input, &exclude).await;
+        let Some(third) = third else {
+            // Nobody can tell which of the two lied: both are reported,
+            // neither is banned.
+            tracing::warn!("spot check undecided: no third opinion to be had");
+            self.report(&primary_peers);
+            self.report(&witness_peers);
+            return Ok(primary);
+        };
+        match (agree(&third, &primary), agree(&third, &witnessed)) {
+            (true, false) => {
+                // The witness lied; the next check finds another.
+                self.suspect(&witness_peers);
+                if let Some((w, _)) = self.hops[index].witness.take() {
+                    w.close().await;
+                }
+                Ok(primary)
+            }
+            (false, true) => {
+                self.suspect(&primary_peers);
+                Err(SessionError::Caught {
+                    peer: first_peer(&primary_peers),
+                })
+            }
+            _ => {
+                tracing::warn!("spot check undecided: three different outputs");
+                self.report(&primary_peers);
+                self.report(&witness_peers);
+                Ok(primary)
+            }
+        }
+    }
+
+    /// Bans `peers`, caught lying, and reports them.
+    fn suspect(&mut self, peers: &[String]) {
+        for peer in peers {
+            self.view.ban_for(
+                peer,
+                ErrorKind::BadServer,
+                "returned wrong activations (spot check)",
+            );
+        }
+        self.report(peers);
+    }
+
+    /// Reports `peers` in the answer's suspects.
+    fn report(&mut self, peers: &[String]) {
+        for peer in peers {
+            if !self.suspects.contains(peer) {
+                self.suspects.push(peer.clone());
+            }
+        }
+    }
+
+    /// The witness's output for `input`, after feeding it what it has not
+    /// seen of the history; a witness is found first when there is none:
+    /// other servers of the hop's blocks, else the client's own copy.
+    async fn witness_output(
+        &mut self,
+        index: usize,
+        start: u32,
+        input: &TensorPayload,
+        primary_peers: &[String],
+    ) -> Option<TensorPayload> {
+        // A recovery may have moved the hop onto the witness's servers.
+        if let Some((w, _)) = &self.hops[index].witness {
+            if w.peers().iter().any(|p| primary_peers.contains(p)) {
+                if let Some((w, _)) = self.hops[index].witness.take() {
+                    w.close().await;
+                }
+            }
+        }
+        // A witness that fails (a server dying, leaving) is replaced: were
+        // the step let through unchecked, a liar could wait for that moment.
+        let mut exclude: HashSet<String> = primary_peers.iter().cloned().collect();
+        for _ in 0..WITNESS_TRIES {
+            if self.hops[index].witness.is_none() {
+                let witness = self.new_witness(index, &exclude, Role::Witness).await?;
+                self.hops[index].witness = Some((witness, 0));
+            }
+            let hop = &mut self.hops[index];
+            let (witness, fed) = hop.witness.as_mut()?;
+            // A caught step was fed but never entered the history.
+            let fed_before = (*fed).min(hop.history.len());
+            let result = match witness.replay(&hop.history[fed_before..]).await {
+                Ok(_) => witness.step(start, input).await,
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(out) => {
+                    *fed = hop.history.len() + 1;
+                    return Some(out);
+                }
+                Err(e) => {
+                    let failed = witness.peers();
+                    match e {
+                        WitnessError::Server(e) => tracing::debug!(error = %e, "a witness failed"),
+                        WitnessError::Local(e) => {
+                            tracing::warn!(error = %e, "the client's own check failed")
+                        }
+                    }
+                    if let Some((w, _)) = hop.witness.take() {
+                        w.close().await;
+                    }
+                    if failed.is_empty() {
+                        // The client's own blocks failed: nobody else to ask.
+                        return None;
+                    }
+                    exclude.extend(failed);
+                }
+            }
+        }
+        None
+    }
+
+    /// A witness for hop `index` that uses none of `exclude`: other servers
+    /// (when the view has them), else the client's own copy of the blocks:
+    /// always as a third opinion, as the witness only when every step is
+    /// checked (a local witness computes everything the hop computes).
+    async fn new_witness(
+        &mut self,
+        index: usize,
+        exclude: &HashSet<String>,
+        role: Role,
+    ) -> Option<Witness> {
+        let (from, to) = (self.hops[index].start, self.hops[index].end);
+        if let Some(route) = self
+            .view
+            .plan_excluding(from, to, self.settings.max_length, exclude)
+        {
+            match self.open_all(&route).await {
+                Ok(sessions) => {
+                    return Some(Witness::Servers(route.into_iter().zip(sessions).collect()))
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot open a witness"),
+            }
+        }
+        if role == Role::Witness && self.settings.spot_check < 1.0 {
+            return None;
+        }
+        let referee = self.settings.referee.as_ref()?;
+        match Witness::local(referee, (from, to), self.settings.max_length) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot check servers with the client's own blocks");
+                None
+            }
+        }
+    }
+
+    /// A third computation of `input` on hop `index`, from scratch.
+    async fn third_opinion(
+        &mut self,
+        index: usize,
+        start: u32,
+        input: &TensorPayload,
+        exclude: &HashSet<String>,
+    ) -> Option<TensorPayload> {
+        let mut exclude = exclude.clone();
+        for _ in 0..WITNESS_TRIES {
+            let mut third = self
+                .new_witness(index, &exclude, Role::ThirdOpinion)
+                .await?;
+            let history = std::mem::take(&mut self.hops[index].history);
+            let out = match third.replay(&history).await {
+                Ok(_) => third.step(start, input).await.ok(),
+                Err(_) => None,
+            };
+            self.hops[index].history = history;
+            let asked = third.peers();
+            third.close().await;
+            if out.is_some() || asked.is_empty() {
+                return out;
+            }
+            // That server failed (not lied): ask another, at last the
+            // client's own blocks.
+            exclude.extend(asked);
+        }
+        None
+    }
+}
