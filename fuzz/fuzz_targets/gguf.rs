@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use corolla_model::gguf::GgufFile;
-use corolla_model::weight_file::FileBytes;
+use corolla_model::file_bytes::FileBytes;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
