@@ -30,6 +30,18 @@ pub async fn connect_with(
     allowed_peers: Option<HashSet<PeerId>>,
     reach: &ReachSettings,
 ) -> Result<NodeHandle, ClientError> {
+    let identity = libp2p::identity::Keypair::generate_ed25519();
+    connect_as(identity, bootstrap, allowed_peers, reach).await
+}
+
+/// [`connect_with`] under a given identity (a client's peer id is new on
+/// every run otherwise; tests sign as the node they speak from).
+pub async fn connect_as(
+    identity: libp2p::identity::Keypair,
+    bootstrap: &[Multiaddr],
+    allowed_peers: Option<HashSet<PeerId>>,
+    reach: &ReachSettings,
+) -> Result<NodeHandle, ClientError> {
     if bootstrap.is_empty() {
         return Err(ClientError::Network("no --initial-peers given".into()));
     }
@@ -38,11 +50,17 @@ pub async fn connect_with(
         .map(split_peer)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| ClientError::Network(e.to_string()))?;
-    let key = libp2p::identity::Keypair::generate_ed25519();
     let limits = NetworkLimits::client().with_allowed_peers(allowed_peers.clone());
-    let swarm = build_swarm(key, Duration::from_secs(60), &limits, None, reach, None)
-        .await
-        .map_err(|e| ClientError::Network(e.to_string()))?;
+    let swarm = build_swarm(
+        identity,
+        Duration::from_secs(60),
+        &limits,
+        None,
+        reach,
+        None,
+    )
+    .await
+    .map_err(|e| ClientError::Network(e.to_string()))?;
     let (mut node, handle, _events) = Node::new(swarm);
     node.client_dht();
     node.allow_only(allowed_peers);

@@ -242,6 +242,12 @@ pub struct ServerArgs {
     /// test clients' spot checks, like --step-delay-ms tests routing.
     #[arg(long, env = "COROLLA_CORRUPT_OUTPUTS", default_value_t = 0.0, value_parser = parse_rate)]
     pub corrupt_outputs: f64,
+    /// TESTING AID, never for a real swarm: push this share of steps to the
+    /// next server with wrong activations while returning the right ones to
+    /// the client (signed as what was pushed), to test that clients blame
+    /// the pusher and never the server after it.
+    #[arg(long, env = "COROLLA_CORRUPT_PUSHES", default_value_t = 0.0, value_parser = parse_rate)]
+    pub corrupt_pushes: f64,
     /// Prefill positions computed at a time between decode batches, so one
     /// long prompt does not stall every other session (0: no limit).
     #[arg(long, env = "COROLLA_MAX_CHUNK_TOKENS", default_value_t = 256)]

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use corolla_shared::{Limits, ServerRecord};
+use libp2p::identity::Keypair;
+use libp2p::PeerId;
 
 use crate::admission::{CacheBudget, Quota};
 use crate::compute::ComputeSettings;
@@ -23,11 +25,17 @@ pub(crate) struct HostSettings {
     pub sessions: Arc<Quota>,
     pub cache: Arc<CacheBudget>,
     pub corrupt_outputs: f64,
+    /// `--corrupt-pushes` (a testing aid).
+    pub corrupt_pushes: f64,
     pub compute: ComputeSettings,
     pub update_period: Duration,
     /// Every session's push inbox; one registry whichever span is hosted.
     pub pushes: Arc<PushInboxes>,
     /// For pushes to the next servers of clients' routes.
     pub control: libp2p_stream::Control,
+    /// This server's id: a push route naming it again is a loop.
+    pub peer_id: PeerId,
+    /// Signs what this server pushes (see `corolla_shared::push_proof`).
+    pub identity: Keypair,
     pub metrics: ServerMetrics,
 }

@@ -1,8 +1,10 @@
-//! Server-to-server push (`/corolla/push/1`): a server sends its step output
+//! Server-to-server push (`/corolla/push/2`): a server sends its step output
 //! straight to the next server of its client's route, and takes pushes in
 //! for its own sessions. A push gets in only with a session's token, which
-//! the server gave that session's client alone; whatever arrives is checked
-//! like a client's step, by the session it is for.
+//! the server gave that session's client alone, and with its sender's
+//! signed digest of what it carries (`corolla_shared::push_proof`), which
+//! the session returns to its client with the output; whatever arrives is
+//! checked like a client's step, by the session it is for.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,8 +14,10 @@ use corolla_shared::framing::{write_frame, FrameReader};
 use corolla_shared::protocol::{
     ErrorCode, PushStep, PushTarget, Response, SessionToken, StepHeader, PUSH_PROTOCOL,
 };
+use corolla_shared::push_proof::{view_digest, PushProof, PushedStep};
 use corolla_shared::{Limits, TensorPayload};
 use futures::{AsyncWriteExt, StreamExt};
+use libp2p::identity::Keypair;
 use libp2p::{PeerId, Stream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -34,6 +38,8 @@ const PUSH_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) struct Pushed {
     pub from: PeerId,
     pub header: StepHeader,
+    /// The sender's signed digest of `hidden`, checked on arrival.
+    pub proof: PushProof,
     pub hidden: TensorPayload,
 }
 
@@ -115,11 +121,12 @@ pub(crate) struct PushLink {
 
 impl PushLink {
     /// Sends `output` to `route`'s first session, with the rest of the
-    /// route; `false` (logged) when it could not leave: the client then
-    /// carries the output on itself.
+    /// route, signed by `identity`; `false` (logged) when it could not
+    /// leave: the client then carries the output on itself.
     pub async fn push(
         &mut self,
         control: &mut libp2p_stream::Control,
+        identity: &Keypair,
         header: &StepHeader,
         output: &TensorPayload,
     ) -> bool {
@@ -131,7 +138,19 @@ impl PushLink {
             step_id: header.step_id,
             push: rest.to_vec(),
         };
-        let frame = PushStep::encode(*token, &onward, output);
+        let step = PushedStep {
+            token: *token,
+            step_id: header.step_id,
+            start_position: header.start_position,
+        };
+        let proof = match PushProof::sign(identity, &step, output) {
+            Ok(proof) => proof,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot sign a push; the client carries the output");
+                return false;
+            }
+        };
+        let frame = PushStep::encode(*token, &onward, &proof, output);
         let sent = tokio::time::timeout(PUSH_WRITE_TIMEOUT, async {
             if self.open.as_ref().is_none_or(|(open, _)| open != peer) {
                 let stream = control
@@ -223,17 +242,21 @@ async fn serve_pushes(
         };
         let refusal = match PushStep::decode(frame, &limits) {
             Err(e) => Some((ErrorCode::BadFrame, format!("malformed push: {e}"))),
-            Ok(push) => {
-                let pushed = Pushed {
-                    from: peer,
-                    header: push.header,
-                    hidden: push.hidden.to_owned(),
-                };
-                inboxes
-                    .deliver(push.token, pushed)
-                    .err()
-                    .map(|why| (ErrorCode::UnknownSession, why))
-            }
+            Ok(push) => match check_proof(&peer, &push) {
+                Err(why) => Some((ErrorCode::BadFrame, why)),
+                Ok(()) => {
+                    let pushed = Pushed {
+                        from: peer,
+                        header: push.header,
+                        proof: push.proof,
+                        hidden: push.hidden.to_owned(),
+                    };
+                    inboxes
+                        .deliver(push.token, pushed)
+                        .err()
+                        .map(|why| (ErrorCode::UnknownSession, why))
+                }
+            },
         };
         match refusal {
             None => {
@@ -257,6 +280,24 @@ async fn serve_pushes(
     let _ = tokio::time::timeout(Duration::from_secs(2), stream.close()).await;
 }
 
+/// Whether `push` carries its sender's signature over exactly what it
+/// carries: the session returns the proof to its client, which blames the
+/// session's server for one that does not hold.
+fn check_proof(sender: &PeerId, push: &PushStep<'_>) -> Result<(), String> {
+    let step = PushedStep {
+        token: push.token,
+        step_id: push.header.step_id,
+        start_position: push.header.start_position,
+    };
+    push.proof
+        .verify(sender, &step)
+        .map_err(|e| format!("a push whose proof does not hold: {e}"))?;
+    if push.proof.digest != view_digest(&push.hidden) {
+        return Err("a push whose signed digest is not that of what it carries".into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,8 +307,55 @@ mod tests {
         Pushed {
             from: PeerId::random(),
             header: StepHeader::default(),
+            proof: PushProof {
+                digest: [0; 32],
+                signature: Vec::new(),
+            },
             hidden: TensorPayload::new(WireDType::F32, vec![1, 1, 1], vec![0; 4]).unwrap(),
         }
+    }
+
+    #[test]
+    fn a_push_gets_in_only_with_its_senders_proof_of_what_it_carries() {
+        let sender = Keypair::generate_ed25519();
+        let sender_id = sender.public().to_peer_id();
+        let header = StepHeader {
+            start_position: 4,
+            step_id: 9,
+            push: Vec::new(),
+        };
+        let token = SessionToken([3; 16]);
+        let honest = TensorPayload::new(WireDType::F32, vec![1, 1, 2], vec![1; 8]).unwrap();
+        let other = TensorPayload::new(WireDType::F32, vec![1, 1, 2], vec![2; 8]).unwrap();
+        let step = PushedStep {
+            token,
+            step_id: 9,
+            start_position: 4,
+        };
+        let proof = PushProof::sign(&sender, &step, &honest).unwrap();
+        let frame = PushStep::encode(token, &header, &proof, &honest);
+        check_proof(
+            &sender_id,
+            &PushStep::decode(&frame, &Limits::DEFAULT).unwrap(),
+        )
+        .unwrap();
+        // Signed for other numbers than it carries.
+        let frame = PushStep::encode(token, &header, &proof, &other);
+        let push = PushStep::decode(&frame, &Limits::DEFAULT).unwrap();
+        assert!(check_proof(&sender_id, &push)
+            .unwrap_err()
+            .contains("not that of what it carries"));
+        // Signed by someone else than the peer it came from.
+        let frame = PushStep::encode(token, &header, &proof, &honest);
+        let push = PushStep::decode(&frame, &Limits::DEFAULT).unwrap();
+        let stranger = Keypair::generate_ed25519().public().to_peer_id();
+        assert!(check_proof(&stranger, &push)
+            .unwrap_err()
+            .contains("does not hold"));
+        // Signed for another session's token.
+        let frame = PushStep::encode(SessionToken([4; 16]), &header, &proof, &honest);
+        let push = PushStep::decode(&frame, &Limits::DEFAULT).unwrap();
+        assert!(check_proof(&sender_id, &push).is_err());
     }
 
     #[test]

@@ -14,7 +14,8 @@ use corolla_model::wire::{candle_dtype, from_view, to_payload};
 use corolla_model::{DType, Tensor};
 use corolla_shared::flow::{FlowSender, MIN_WINDOW};
 use corolla_shared::framing::{write_frame, FrameReader};
-use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response, StepHeader};
+use corolla_shared::protocol::{ErrorCode, OpenRequest, PushTarget, Request, Response, StepHeader};
+use corolla_shared::push_proof::PushProof;
 use corolla_shared::{Compression, ServerRecord, TensorPayload, TensorView, WireDType};
 use futures::AsyncWriteExt;
 use libp2p::{PeerId, Stream};
@@ -82,7 +83,9 @@ struct Session {
     max_length: usize,
     /// Where other servers' pushes for this session arrive.
     inbox: Inbox,
-    /// Toward the next server of the client's route, once pushed to.
+    /// The one server this session may push to, named at Open.
+    next: Option<PeerId>,
+    /// Toward that server, once pushed to.
     push_link: PushLink,
     _slot: Slot,
     _reservation: Reservation,
@@ -239,7 +242,7 @@ pub(crate) async fn serve(
                 &mut control,
                 &pushed.header,
                 &pushed.hidden.view(),
-                true,
+                Some(pushed.proof),
             )
             .await;
             session = s;
@@ -279,7 +282,7 @@ pub(crate) async fn serve(
                 },
                 Ok(Request::Step { header, hidden }) => {
                     let (s, reply) =
-                        run_step(&ctx, session.take(), &mut control, &header, &hidden, false).await;
+                        run_step(&ctx, session.take(), &mut control, &header, &hidden, None).await;
                     session = s;
                     reply
                 }
@@ -361,6 +364,12 @@ async fn open_session(
             ));
         }
     }
+    if open.next == Some(ctx.settings.peer_id) {
+        return Err((
+            ErrorCode::BadFrame,
+            "a session cannot push to its own server".to_string(),
+        ));
+    }
     if open.flow_window > 0 && open.flow_window < MIN_WINDOW {
         return Err((
             ErrorCode::BadFrame,
@@ -420,22 +429,24 @@ async fn open_session(
         compression: open.compression,
         max_length,
         inbox: ctx.settings.pushes.open(),
+        next: open.next,
         push_link: PushLink::default(),
         _slot: slot,
         _reservation: reservation,
     })
 }
 
-/// Runs one step of the client's or one pushed to this session
-/// (`pushed_in`); pushes the output on when the step names a next session
-/// (critical path first), then answers the client.
+/// Runs one step of the client's or one pushed to this session (with its
+/// sender's proof, `pushed_in`, returned to the client with the output);
+/// pushes the output on when the step names a next session (critical path
+/// first), then answers the client.
 async fn run_step(
     ctx: &SessionContext,
     session: Option<Session>,
     control: &mut libp2p_stream::Control,
     header: &StepHeader,
     hidden: &TensorView<'_>,
-    pushed_in: bool,
+    pushed_in: Option<PushProof>,
 ) -> (Option<Session>, Reply) {
     let Some(s) = session else {
         return (
@@ -446,6 +457,9 @@ async fn run_step(
             ),
         );
     };
+    if let Err(why) = check_route(ctx.settings.peer_id, &header.push) {
+        return (Some(s), Err((ErrorCode::BadFrame, why)));
+    }
     let arrived = Instant::now();
     let (mut s, out) = step(ctx, s, header.start_position as usize, hidden).await;
     let out = match out {
@@ -455,25 +469,54 @@ async fn run_step(
     // A computed step passed `check_step`: its shape is [1, T, hidden].
     let positions = hidden.shape.get(1).copied().unwrap_or(0);
     ctx.settings.metrics.step_served(
-        StepKind::of(pushed_in, positions),
+        StepKind::of(pushed_in.is_some(), positions),
         positions,
         arrived.elapsed(),
     );
-    let pushed = match &mut s {
-        Some(s) if !header.push.is_empty() => {
-            let pushed = s.push_link.push(control, header, &out).await;
+    let pushed = match (&mut s, header.push.first()) {
+        (Some(s), Some(target)) if s.next == Some(target.peer) => {
+            let corrupt = ctx.settings.corrupt_pushes > 0.0
+                && rand::random::<f64>() < ctx.settings.corrupt_pushes;
+            let noisy = corrupt.then(|| with_noise(&out, ctx.core.span().device()));
+            let to_push = match &noisy {
+                Some(Ok(noisy)) => noisy,
+                _ => &out,
+            };
+            let pushed = s
+                .push_link
+                .push(control, &ctx.settings.identity, header, to_push)
+                .await;
             ctx.settings.metrics.push_sent(pushed);
             pushed
+        }
+        (Some(_), Some(target)) => {
+            tracing::debug!(target = %target.peer, "not pushing to a server the session's Open did not name");
+            false
         }
         _ => false,
     };
     let frame = Response::StepOut {
         step_id: header.step_id,
         pushed,
+        input_proof: pushed_in,
         hidden: out.view(),
     }
     .encode();
     (s, Ok(frame))
+}
+
+/// Refuses a push route that names this server or any server twice: a
+/// loop would make one client frame cost a step on every pass.
+fn check_route(this_server: PeerId, route: &[PushTarget]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::with_capacity(route.len() + 1);
+    seen.insert(this_server);
+    match route.iter().find(|t| !seen.insert(t.peer)) {
+        None => Ok(()),
+        Some(t) => Err(format!(
+            "the push route names {} twice (or this server): routes cannot loop",
+            t.peer
+        )),
+    }
 }
 
 /// The output of a step, or why there is none.
@@ -562,6 +605,16 @@ async fn compute_step(
         Some(s),
         payload.map_err(|e| (ErrorCode::Internal, e.to_string())),
     )
+}
+
+/// `--corrupt-pushes`: `payload` with noise added, as it would go on the wire.
+fn with_noise(
+    payload: &TensorPayload,
+    device: &corolla_model::Device,
+) -> corolla_model::Result<TensorPayload> {
+    let y = from_view(&payload.decompressed().view(), device)?;
+    let noisy = add_noise(&y)?;
+    Ok(to_payload(&noisy, payload.dtype)?.compressed(payload.compression))
 }
 
 /// `--corrupt-outputs`: plausible but wrong activations, `y` plus Gaussian

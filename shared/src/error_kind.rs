@@ -107,7 +107,8 @@ impl SessionError {
             SessionError::Protocol { .. }
             | SessionError::Unexpected { .. }
             | SessionError::BadOutput { .. }
-            | SessionError::Caught { .. } => ErrorKind::BadServer,
+            | SessionError::Caught { .. }
+            | SessionError::PushLie { .. } => ErrorKind::BadServer,
         }
     }
 }

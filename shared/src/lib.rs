@@ -22,10 +22,12 @@ pub mod native;
 pub mod node;
 pub mod peers;
 pub mod protocol;
+pub mod push_proof;
 #[cfg(feature = "native")]
 pub mod reach;
 pub mod record;
 pub mod session;
+pub mod session_token;
 pub mod swarm_report;
 pub mod tensor;
 pub mod time;

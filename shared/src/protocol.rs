@@ -4,20 +4,26 @@
 //! One libp2p stream carries one inference session:
 //!
 //! ```text
-//! client: Open{model, fingerprint, span, max_length, dtype}   server: Opened{max_length, token}
-//! client: Step{start_position, step_id, push, hidden[1, T, H]} server: StepOut{step_id, pushed, hidden} | Error
+//! client: Open{model, fingerprint, span, max_length, dtype, next}  server: Opened{max_length, token}
+//! client: Step{start_position, step_id, push, hidden[1, T, H]}  server: StepOut{step_id, pushed, input_proof, hidden} | Error
 //! ...
 //! client: Close
 //! ```
 //!
-//! Push (`/corolla/push/1`): a step may name the sessions after this
+//! Push (`/corolla/push/2`): a step may name the sessions after this
 //! server (`push`: peer and session token of each, in route order); the
 //! server then sends its output straight to the next one as a [`PushStep`]
 //! on a push stream, before answering its own client. The next server runs
 //! it as if its client had sent it, answers its client with an unsolicited
 //! `StepOut` carrying the same `step_id`, and pushes on. The token, random
 //! and known only to the session's client and the servers it names, is what
-//! lets a push in: a push for an unknown token is refused.
+//! lets a push in: a push for an unknown token is refused. A server pushes
+//! only to the `next` peer its session's Open named, and refuses a route
+//! that names itself or any peer twice (a loop would make one client frame
+//! cost many steps). Every push carries the sender's signed digest of what
+//! it pushed ([`crate::push_proof`]), which the receiver checks and returns
+//! in its `StepOut` (`input_proof`), so the client can tell a sender that
+//! pushed other numbers than it returned from a receiver that lies.
 //!
 //! Every message is one length-prefixed frame (see [`crate::framing`]):
 //! a tag byte, then its fields, little-endian. Decoding checks every field
@@ -26,12 +32,14 @@
 use libp2p::StreamProtocol;
 
 use crate::limits::Limits;
+use crate::push_proof::{PushProof, MAX_SIGNATURE_LEN};
+pub use crate::session_token::SessionToken;
 use crate::tensor::{
     encode_into, Compression, TensorCodecError, TensorPayload, TensorView, WireDType,
 };
 
-pub const INFERENCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/inference/3");
-pub const PUSH_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/push/1");
+pub const INFERENCE_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/inference/4");
+pub const PUSH_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/push/2");
 pub const INFO_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/info/1");
 pub const KADEMLIA_PROTOCOL: StreamProtocol = StreamProtocol::new("/corolla/kad/1");
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/corolla/1";
@@ -44,18 +52,6 @@ pub const MAX_MESSAGE_LEN: usize = 4096;
 pub const MAX_PUSH_TARGETS: usize = 64;
 /// Longest peer id accepted, in bytes (an Ed25519 one is 38).
 const MAX_PEER_ID_LEN: usize = 128;
-
-/// A session's secret handle for pushes: random, given to the session's
-/// client in `Opened`, and by the client only to the servers before it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SessionToken(pub [u8; 16]);
-
-impl std::fmt::Debug for SessionToken {
-    // Secrets stay out of logs: only a prefix, enough to tell sessions apart.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SessionToken({:02x}{:02x}..)", self.0[0], self.0[1])
-    }
-}
 
 /// One later session of a push route.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,11 +71,13 @@ pub struct StepHeader {
     pub push: Vec<PushTarget>,
 }
 
-/// A step one server pushes to the next (`/corolla/push/1`).
+/// A step one server pushes to the next (`/corolla/push/2`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PushStep<'a> {
     pub token: SessionToken,
     pub header: StepHeader,
+    /// The sender's signed digest of `hidden`.
+    pub proof: PushProof,
     pub hidden: TensorView<'a>,
 }
 
@@ -107,6 +105,9 @@ pub struct OpenRequest {
     /// write of both ends is a flushed piece of at most 8000 bytes (see
     /// [`crate::flow`]). Browsers over WebRTC need it; zero means neither.
     pub flow_window: u32,
+    /// The one server this session may push its outputs to: the next of
+    /// the client's route. `None`: the session never pushes.
+    pub next: Option<libp2p::PeerId>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -174,6 +175,9 @@ pub enum Response<'a> {
         step_id: u32,
         /// The output also went on to the next session of the step's push route.
         pushed: bool,
+        /// For a step pushed to this session: the proof the pushing server
+        /// sent with it (what the client checks against that server's output).
+        input_proof: Option<PushProof>,
         hidden: TensorView<'a>,
     },
     Error {
@@ -202,8 +206,10 @@ pub enum ProtocolError {
     UnknownDType(u8),
     #[error("a push route of {0} sessions exceeds the limit of {MAX_PUSH_TARGETS}")]
     PushRouteTooLong(usize),
-    #[error("bad peer id in a push route")]
+    #[error("bad peer id")]
     BadPeerId,
+    #[error("a signature of {0} bytes exceeds the limit of {MAX_SIGNATURE_LEN}")]
+    SignatureTooLong(usize),
     #[error("tensor: {0}")]
     Tensor(#[from] TensorCodecError),
 }
@@ -220,11 +226,7 @@ mod tag {
 }
 
 fn dtype_code(d: WireDType) -> u8 {
-    match d {
-        WireDType::F32 => 0,
-        WireDType::F16 => 1,
-        WireDType::BF16 => 2,
-    }
+    d.code()
 }
 
 fn dtype_from_code(c: u8) -> Result<WireDType, ProtocolError> {
@@ -294,6 +296,41 @@ impl<'a> Reader<'a> {
         Ok(SessionToken(token))
     }
 
+    fn peer_id(&mut self) -> Result<libp2p::PeerId, ProtocolError> {
+        let len = self.u8()? as usize;
+        if len > MAX_PEER_ID_LEN {
+            return Err(ProtocolError::BadPeerId);
+        }
+        libp2p::PeerId::from_bytes(self.take(len)?).map_err(|_| ProtocolError::BadPeerId)
+    }
+
+    fn optional_peer_id(&mut self) -> Result<Option<libp2p::PeerId>, ProtocolError> {
+        match self.u8()? {
+            0 => Ok(None),
+            _ => self.peer_id().map(Some),
+        }
+    }
+
+    fn proof(&mut self) -> Result<PushProof, ProtocolError> {
+        let mut digest = [0u8; 32];
+        digest.copy_from_slice(self.take(32)?);
+        let len = self.u8()? as usize;
+        if len > MAX_SIGNATURE_LEN {
+            return Err(ProtocolError::SignatureTooLong(len));
+        }
+        Ok(PushProof {
+            digest,
+            signature: self.take(len)?.to_vec(),
+        })
+    }
+
+    fn optional_proof(&mut self) -> Result<Option<PushProof>, ProtocolError> {
+        match self.u8()? {
+            0 => Ok(None),
+            _ => self.proof().map(Some),
+        }
+    }
+
     fn header(&mut self) -> Result<StepHeader, ProtocolError> {
         let start_position = self.u32()?;
         let step_id = self.u32()?;
@@ -303,14 +340,8 @@ impl<'a> Reader<'a> {
         }
         let mut push = Vec::with_capacity(count);
         for _ in 0..count {
-            let len = self.u8()? as usize;
-            if len > MAX_PEER_ID_LEN {
-                return Err(ProtocolError::BadPeerId);
-            }
-            let peer = libp2p::PeerId::from_bytes(self.take(len)?)
-                .map_err(|_| ProtocolError::BadPeerId)?;
             push.push(PushTarget {
-                peer,
+                peer: self.peer_id()?,
                 token: self.token()?,
             });
         }
@@ -349,6 +380,7 @@ impl Request<'_> {
                 out.push(dtype_code(o.dtype));
                 out.push(o.compression.code());
                 out.extend_from_slice(&o.flow_window.to_le_bytes());
+                put_optional_peer(&mut out, o.next.as_ref());
             }
             Request::Step { header, hidden } => {
                 out.push(tag::STEP);
@@ -371,6 +403,40 @@ impl Request<'_> {
     }
 }
 
+fn put_peer(out: &mut Vec<u8>, peer: &libp2p::PeerId) {
+    let bytes = peer.to_bytes();
+    out.push(bytes.len() as u8);
+    out.extend_from_slice(&bytes);
+}
+
+fn put_optional_peer(out: &mut Vec<u8>, peer: Option<&libp2p::PeerId>) {
+    match peer {
+        None => out.push(0),
+        Some(peer) => {
+            out.push(1);
+            put_peer(out, peer);
+        }
+    }
+}
+
+fn put_proof(out: &mut Vec<u8>, proof: &PushProof) {
+    out.extend_from_slice(&proof.digest);
+    // Senders keep within the limit rather than produce a frame the peer must reject.
+    let signature = &proof.signature[..proof.signature.len().min(MAX_SIGNATURE_LEN)];
+    out.push(signature.len() as u8);
+    out.extend_from_slice(signature);
+}
+
+fn put_optional_proof(out: &mut Vec<u8>, proof: Option<&PushProof>) {
+    match proof {
+        None => out.push(0),
+        Some(proof) => {
+            out.push(1);
+            put_proof(out, proof);
+        }
+    }
+}
+
 fn put_header(out: &mut Vec<u8>, header: &StepHeader) {
     out.extend_from_slice(&header.start_position.to_le_bytes());
     out.extend_from_slice(&header.step_id.to_le_bytes());
@@ -378,9 +444,7 @@ fn put_header(out: &mut Vec<u8>, header: &StepHeader) {
     let push = &header.push[..header.push.len().min(MAX_PUSH_TARGETS)];
     out.push(push.len() as u8);
     for target in push {
-        let peer = target.peer.to_bytes();
-        out.push(peer.len() as u8);
-        out.extend_from_slice(&peer);
+        put_peer(out, &target.peer);
         out.extend_from_slice(&target.token.0);
     }
 }
@@ -417,11 +481,17 @@ fn put_payload(out: &mut Vec<u8>, hidden: &TensorPayload) {
 
 impl PushStep<'_> {
     /// Encodes a push of `hidden` without building a [`TensorView`] first.
-    pub fn encode(token: SessionToken, header: &StepHeader, hidden: &TensorPayload) -> Vec<u8> {
-        let mut out = Vec::with_capacity(80 + 64 * header.push.len() + hidden.encoded_len());
+    pub fn encode(
+        token: SessionToken,
+        header: &StepHeader,
+        proof: &PushProof,
+        hidden: &TensorPayload,
+    ) -> Vec<u8> {
+        let mut out = Vec::with_capacity(200 + 64 * header.push.len() + hidden.encoded_len());
         out.push(tag::PUSH);
         out.extend_from_slice(&token.0);
         put_header(&mut out, header);
+        put_proof(&mut out, proof);
         put_payload(&mut out, hidden);
         out
     }
@@ -437,6 +507,7 @@ impl<'a> PushStep<'a> {
         let push = PushStep {
             token: r.token()?,
             header: r.header()?,
+            proof: r.proof()?,
             hidden: r.tensor(limits)?,
         };
         r.finish()?;
@@ -457,6 +528,7 @@ impl<'a> Request<'a> {
                 dtype: dtype_from_code(r.u8()?)?,
                 compression: Compression::from_code(r.u8()?)?,
                 flow_window: r.u32()?,
+                next: r.optional_peer_id()?,
             }),
             tag::STEP => Request::Step {
                 header: r.header()?,
@@ -483,12 +555,14 @@ impl Response<'_> {
             Response::StepOut {
                 step_id,
                 pushed,
+                input_proof,
                 hidden,
             } => {
-                out.reserve(1 + hidden.data.len() + 64);
+                out.reserve(1 + hidden.data.len() + 200);
                 out.push(tag::STEP_OUT);
                 out.extend_from_slice(&step_id.to_le_bytes());
                 out.push(u8::from(*pushed));
+                put_optional_proof(&mut out, input_proof.as_ref());
                 encode_into(
                     hidden.dtype,
                     hidden.compression,
@@ -525,6 +599,7 @@ impl<'a> Response<'a> {
             tag::STEP_OUT => Response::StepOut {
                 step_id: r.u32()?,
                 pushed: r.u8()? != 0,
+                input_proof: r.optional_proof()?,
                 hidden: r.tensor(limits)?,
             },
             tag::ERROR => Response::Error {
@@ -553,6 +628,18 @@ mod tests {
             dtype: WireDType::F32,
             compression: Compression::Int8Block64,
             flow_window: 16_000,
+            next: Some(libp2p::PeerId::from_public_key(
+                &libp2p::identity::Keypair::ed25519_from_bytes([5; 32])
+                    .unwrap()
+                    .public(),
+            )),
+        }
+    }
+
+    fn proof() -> PushProof {
+        PushProof {
+            digest: [4; 32],
+            signature: vec![6; 64],
         }
     }
 
@@ -571,6 +658,7 @@ mod tests {
             Response::StepOut {
                 step_id: 7,
                 pushed: true,
+                input_proof: Some(proof()),
                 hidden: hidden.view(),
             }
             .encode(),
@@ -614,9 +702,25 @@ mod tests {
             Response::StepOut {
                 step_id: 7,
                 pushed: true,
+                input_proof: Some(proof()),
                 hidden: hidden.view()
             }
         );
+        let without = Response::StepOut {
+            step_id: 7,
+            pushed: false,
+            input_proof: None,
+            hidden: hidden.view(),
+        };
+        assert_eq!(
+            Response::decode(&without.encode(), &limits).unwrap(),
+            without
+        );
+        let alone = Request::Open(OpenRequest {
+            next: None,
+            ..open()
+        });
+        assert_eq!(Request::decode(&alone.encode(), &limits).unwrap(), alone);
         assert_eq!(
             Response::decode(&s[6], &limits).unwrap(),
             Response::error(ErrorCode::BadShape, "wrong shape")
@@ -680,10 +784,11 @@ mod tests {
             }
         );
         let token = SessionToken([9; 16]);
-        let bytes = PushStep::encode(token, &header, &hidden);
+        let bytes = PushStep::encode(token, &header, &proof(), &hidden);
         let push = PushStep::decode(&bytes, &Limits::DEFAULT).unwrap();
         assert_eq!(push.token, token);
         assert_eq!(push.header, header);
+        assert_eq!(push.proof, proof());
         assert_eq!(push.hidden, hidden.view());
         for len in 0..bytes.len() {
             assert!(PushStep::decode(&bytes[..len], &Limits::DEFAULT).is_err());

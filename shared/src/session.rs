@@ -13,6 +13,7 @@ use crate::protocol::{
     encode_step_with, ErrorCode, OpenRequest, ProtocolError, Request, Response, SessionToken,
     StepHeader, INFERENCE_PROTOCOL, INFO_PROTOCOL,
 };
+use crate::push_proof::{view_digest, PayloadDigest, PushProof};
 use crate::record::{ServerRecord, MAX_RECORD_BYTES};
 use crate::tensor::{Compression, TensorPayload};
 use crate::time::with_timeout;
@@ -51,6 +52,10 @@ pub enum SessionError {
     /// A spot check found the server's output wrong (see the client's chain).
     #[error("{peer} returned wrong activations (found by a spot check)")]
     Caught { peer: PeerId },
+    /// The server pushed other activations than it returned, and signed
+    /// them (see [`crate::push_proof`]).
+    #[error("{peer} pushed other activations to the next server than it returned (its signed push proof shows it)")]
+    PushLie { peer: PeerId },
 }
 
 impl SessionError {
@@ -71,7 +76,8 @@ impl SessionError {
             | SessionError::Unexpected { peer }
             | SessionError::Timeout { peer, .. }
             | SessionError::BadOutput { peer, .. }
-            | SessionError::Caught { peer } => *peer,
+            | SessionError::Caught { peer }
+            | SessionError::PushLie { peer } => *peer,
         }
     }
 }
@@ -92,6 +98,23 @@ pub struct RemoteSession {
     step_id: u32,
     /// How this end compresses what it sends.
     compression: Compression,
+    /// The one server this session may push to, named at Open.
+    next: Option<PeerId>,
+}
+
+/// A step's output as the server answered it.
+#[derive(Debug)]
+pub struct StepReply {
+    /// Checked to be possible, and decompressed.
+    pub hidden: TensorPayload,
+    /// The server pushed it on to the next session of the route.
+    pub pushed: bool,
+    /// For a step pushed to this session: the pushing server's proof of
+    /// what it pushed.
+    pub input_proof: Option<PushProof>,
+    /// When `pushed`: the digest of the output as it came (what the next
+    /// server's proof must name).
+    pub digest: Option<PayloadDigest>,
 }
 
 /// Late answers skipped while waiting for one step's output: more can only
@@ -141,6 +164,7 @@ impl RemoteSession {
             };
         let flow = (request.flow_window > 0).then(|| FlowReceiver::new(request.flow_window));
         let compression = request.compression;
+        let next = request.next;
         let mut session = RemoteSession {
             peer,
             stream,
@@ -156,6 +180,7 @@ impl RemoteSession {
             token: SessionToken([0; 16]),
             step_id: 0,
             compression,
+            next,
         };
         let frame = Request::Open(request).encode();
         let token = match session.exchange(&frame, timeout).await? {
@@ -186,6 +211,11 @@ impl RemoteSession {
         self.peer
     }
 
+    /// The server this session may push to, as its Open named it.
+    pub fn next(&self) -> Option<PeerId> {
+        self.next
+    }
+
     /// Steps wait `base + per_position × T`, at most the session timeout.
     pub fn with_step_timeout(mut self, step_timeout: Option<StepTimeout>) -> Self {
         self.step_timeout = step_timeout;
@@ -206,8 +236,7 @@ impl RemoteSession {
             push: Vec::new(),
         };
         self.send_step(&header, hidden).await?;
-        let (out, _) = self.receive_output(header.step_id, hidden).await?;
-        Ok(out)
+        Ok(self.receive_output(header.step_id, hidden).await?.hidden)
     }
 
     /// The deadline of a step like `hidden`.
@@ -243,13 +272,13 @@ impl RemoteSession {
 
     /// Waits for the output of step `step_id`, whose input was like `input`
     /// (its own, or the one pushed to this session), skipping late answers
-    /// of earlier steps. Returns the output, checked to be possible, and
-    /// whether the server pushed it on.
+    /// of earlier steps. Returns the output, checked to be possible, with
+    /// what the server said of pushes.
     pub async fn receive_output(
         &mut self,
         step_id: u32,
         input: &TensorPayload,
-    ) -> Result<(TensorPayload, bool), SessionError> {
+    ) -> Result<StepReply, SessionError> {
         self.step_id = step_id;
         let timeout = self.step_deadline(input);
         self.limits = Limits {
@@ -259,10 +288,11 @@ impl RemoteSession {
         let peer = self.peer;
         let bad = |message: String| SessionError::BadOutput { peer, message };
         for _ in 0..=MAX_STALE_ANSWERS {
-            let (out, pushed) = match self.read_response(timeout).await? {
+            let reply = match self.read_response(timeout).await? {
                 Response::StepOut {
                     step_id: id,
                     pushed,
+                    input_proof,
                     hidden: out,
                 } => {
                     if id != step_id {
@@ -279,13 +309,18 @@ impl RemoteSession {
                             out.dtype, out.shape, input.dtype, input.shape
                         )));
                     }
-                    (out.to_owned().decompressed(), pushed)
+                    StepReply {
+                        hidden: out.to_owned().decompressed(),
+                        pushed,
+                        input_proof,
+                        digest: pushed.then(|| view_digest(&out)),
+                    }
                 }
                 _ => return Err(SessionError::Unexpected { peer }),
             };
-            return match out.first_non_finite() {
+            return match reply.hidden.first_non_finite() {
                 Some(i) => Err(bad(format!("value {i} is NaN or infinite"))),
-                None => Ok((out, pushed)),
+                None => Ok(reply),
             };
         }
         Err(bad(format!(

@@ -37,7 +37,7 @@ impl WireDType {
         }
     }
 
-    fn code(self) -> u8 {
+    pub fn code(self) -> u8 {
         match self {
             WireDType::F32 => 0,
             WireDType::F16 => 1,

@@ -228,6 +228,7 @@ async fn serve_lies(mut stream: Stream, lie: Lie) {
                 Response::StepOut {
                     step_id: header.step_id,
                     pushed: false,
+                    input_proof: None,
                     hidden: out.view(),
                 }
                 .encode()

@@ -100,6 +100,7 @@ async fn four_mib_each_way_over_webrtc_direct() {
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window,
+        next: None,
     };
 
     // ICE sometimes times out on a first dial: retry, as clients do.

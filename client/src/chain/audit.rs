@@ -17,6 +17,9 @@ use crate::spot_check::{agree_within, tolerance_on_the_wire, Witness, WitnessErr
 /// blocks where it has them.
 const WITNESS_TRIES: usize = 3;
 
+/// Why a server caught by a spot check is banned.
+const WRONG_ACTIVATIONS: &str = "returned wrong activations (spot check)";
+
 /// What a new witness is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -67,7 +70,7 @@ impl RemoteChain {
         );
         if witness_peers.is_empty() {
             // The client's own computation needs no second opinion.
-            self.suspect(&primary_peers);
+            self.suspect(&primary_peers, WRONG_ACTIVATIONS);
             return Err(SessionError::Caught {
                 peer: first_peer(&primary_peers),
             });
@@ -89,14 +92,14 @@ impl RemoteChain {
         match (agree(&third, &primary), agree(&third, &witnessed)) {
             (true, false) => {
                 // The witness lied; the next check finds another.
-                self.suspect(&witness_peers);
+                self.suspect(&witness_peers, WRONG_ACTIVATIONS);
                 if let Some((w, _)) = self.hops[index].witness.take() {
                     w.close().await;
                 }
                 Ok(primary)
             }
             (false, true) => {
-                self.suspect(&primary_peers);
+                self.suspect(&primary_peers, WRONG_ACTIVATIONS);
                 Err(SessionError::Caught {
                     peer: first_peer(&primary_peers),
                 })
@@ -110,14 +113,10 @@ impl RemoteChain {
         }
     }
 
-    /// Bans `peers`, caught lying, and reports them.
-    fn suspect(&mut self, peers: &[String]) {
+    /// Bans `peers`, caught lying (`how`), and reports them.
+    pub(super) fn suspect(&mut self, peers: &[String], how: &str) {
         for peer in peers {
-            self.view.ban_for(
-                peer,
-                ErrorKind::BadServer,
-                "returned wrong activations (spot check)",
-            );
+            self.view.ban_for(peer, ErrorKind::BadServer, how);
         }
         self.report(peers);
     }
@@ -207,7 +206,7 @@ impl RemoteChain {
             .view
             .plan_excluding(from, to, self.settings.max_length, exclude)
         {
-            match self.open_all(&route).await {
+            match self.open_all(&route, None).await {
                 Ok(sessions) => {
                     return Some(Witness::Servers(route.into_iter().zip(sessions).collect()))
                 }

@@ -107,7 +107,7 @@ impl RemoteChain {
         let mut reconnected = std::collections::HashSet::new();
         loop {
             let route = chain.find_route(0, num_layers).await?;
-            match chain.open_all(&route).await {
+            match chain.open_all(&route, None).await {
                 Ok(sessions) => {
                     chain.hops = route
                         .into_iter()
@@ -228,11 +228,13 @@ impl RemoteChain {
     }
 
     // `&mut self`: a shared borrow held across an await would need the chain to be Sync.
-    async fn open(&mut self, hop: &Hop) -> Result<RemoteSession, ClientError> {
-        let peer: PeerId = hop
-            .peer_id
-            .parse()
-            .map_err(|_| ClientError::Network(format!("bad peer id {}", hop.peer_id)))?;
+    /// Opens a session on `hop`'s server that may push to `next`.
+    async fn open(
+        &mut self,
+        hop: &Hop,
+        next: Option<PeerId>,
+    ) -> Result<RemoteSession, ClientError> {
+        let peer = peer_of(hop)?;
         let request = OpenRequest {
             model: self.settings.model.clone(),
             fingerprint: self.view.span_hash(hop),
@@ -242,6 +244,7 @@ impl RemoteChain {
             dtype: self.settings.dtype,
             compression: self.settings.compression,
             flow_window: self.settings.flow_window,
+            next,
         };
         // A failure here is the session's to report, with its own error.
         if let Ok(via) = self.view.node().prefer_direct(peer, HOLE_PUNCH_WAIT).await {
@@ -256,10 +259,22 @@ impl RemoteChain {
         )
     }
 
-    async fn open_all(&mut self, route: &[Hop]) -> Result<Vec<RemoteSession>, ClientError> {
+    /// Opens a session on each hop of `route`, each allowed to push to the
+    /// next, the last to `after` (the server of the blocks after the route).
+    async fn open_all(
+        &mut self,
+        route: &[Hop],
+        after: Option<PeerId>,
+    ) -> Result<Vec<RemoteSession>, ClientError> {
         let mut sessions = Vec::with_capacity(route.len());
-        for hop in route {
-            match self.open(hop).await {
+        for (index, hop) in route.iter().enumerate() {
+            let next = match route.get(index + 1) {
+                Some(next) => Some(peer_of(next)?),
+                None => after,
+            }
+            // A server hosting the next blocks too cannot push to itself.
+            .filter(|next| next.to_string() != hop.peer_id);
+            match self.open(hop, next).await {
                 Ok(s) => sessions.push(s),
                 Err(e) => {
                     for s in sessions {
@@ -271,6 +286,12 @@ impl RemoteChain {
         }
         Ok(sessions)
     }
+}
+
+fn peer_of(hop: &Hop) -> Result<PeerId, ClientError> {
+    hop.peer_id
+        .parse()
+        .map_err(|_| ClientError::Network(format!("bad peer id {}", hop.peer_id)))
 }
 
 impl BlockChain for RemoteChain {
@@ -307,7 +328,10 @@ impl BlockChain for RemoteChain {
                         break;
                     }
                     Err(e) => {
-                        let caught = matches!(e, SessionError::Caught { .. });
+                        let caught = matches!(
+                            e,
+                            SessionError::Caught { .. } | SessionError::PushLie { .. }
+                        );
                         if std::mem::take(&mut after_pause)
                             && !caught
                             && self.reopen_expired(index, &e, start).await

@@ -1,53 +1,112 @@
 //! Steps by push: the client sends a step to the first server, each server
 //! pushes its output to the next, and every hop's output still comes back
-//! to the client (kept for replay, and spot-checked as usual).
+//! to the client (kept for replay, and spot-checked as usual). Each pushed
+//! output comes back with its sender's signed digest of what it pushed
+//! (`corolla_shared::push_proof`), checked against what the sender
+//! returned: a server that pushes other numbers than it returns is the one
+//! blamed, never the server after it.
 
 use corolla_shared::protocol::{PushTarget, StepHeader};
-use corolla_shared::session::SessionError;
+use corolla_shared::push_proof::{judge, PushVerdict, PushedStep};
+use corolla_shared::session::{SessionError, StepReply};
 use corolla_shared::TensorPayload;
 use web_time::Instant;
 
+use super::hop::HopState;
 use super::RemoteChain;
 
 /// Where a pushed step stopped before the route's end.
 enum PushStop {
     /// Hop `.0` failed (its server erred, closed, or timed out).
     Failed(usize, SessionError),
-    /// The server before hop `.0` could not push to it: the client goes on
+    /// The server before hop `.0` did not push to it: the client goes on
     /// from there itself.
     NotPushed(usize),
 }
 
 impl RemoteChain {
-    /// Whether the next step can go by push: asked for, more than one hop,
-    /// and each hop on one server (a hop split by a recovery goes through
-    /// the client).
-    fn can_push(&self) -> bool {
-        self.settings.push && self.hops.len() > 1 && self.hops.iter().all(|h| h.sessions.len() == 1)
+    /// How many hops, from the first, a step can go through by push: asked
+    /// for, each on one server (a hop split by a recovery goes through the
+    /// client), and each session's Open named the next hop's server (after
+    /// a recovery replaces a later hop, the link to it is the client's).
+    fn push_reach(&self) -> usize {
+        let single = |h: &HopState| h.sessions.len() == 1;
+        if !self.settings.push || !self.hops.first().is_some_and(single) {
+            return 0;
+        }
+        let mut reach = 1;
+        while let Some(hop) = self.hops.get(reach) {
+            let before = &self.hops[reach - 1].sessions[0].1;
+            if !single(hop) || before.next() != Some(hop.sessions[0].1.peer()) {
+                break;
+            }
+            reach += 1;
+        }
+        reach
     }
 
     /// Sends the step by push when it can go so, and takes the outputs of
-    /// the hops that answered (spot-checked as usual) into their histories,
-    /// leaving `payload` the last of them. Returns the hop the client
-    /// carries the step on from, and the failure to handle there first.
+    /// the hops that answered (push proofs and spot checks as usual) into
+    /// their histories, leaving `payload` the last of them. Returns the hop
+    /// the client carries the step on from, and the failure to handle
+    /// there first.
     pub(super) async fn forward_by_push(
         &mut self,
         start: usize,
         payload: &mut TensorPayload,
     ) -> (usize, Option<SessionError>) {
-        if !self.can_push() {
+        let reach = self.push_reach();
+        if reach < 2 {
             return (0, None);
         }
+        let step_id = self.hops[..reach]
+            .iter()
+            .map(|h| h.sessions[0].1.next_step_id())
+            .max()
+            .unwrap_or(1);
         let mut first = 0;
         let mut pending: Option<SessionError> = None;
-        let (outputs, stop) = self.forward_pushed(start as u32, payload).await;
-        let answered = outputs.len();
+        let (replies, stop) = self
+            .forward_pushed(start as u32, step_id, payload, reach)
+            .await;
+        let answered = replies.len();
         if stop.is_none() {
             self.pushed_steps += 1;
         }
-        for out in outputs {
+        // A receiver whose proof did not hold, found while judging its sender.
+        let mut lying_receiver: Option<SessionError> = None;
+        let mut replies = replies.into_iter().peekable();
+        while let Some(reply) = replies.next() {
+            if let Some(e) = lying_receiver.take() {
+                pending = Some(e);
+                break;
+            }
+            if let Some(next) = replies.peek() {
+                match self.judge_push(first, start as u32, step_id, &reply, next) {
+                    PushVerdict::Consistent => {}
+                    PushVerdict::SenderLied => {
+                        let peer = self.hops[first].sessions[0].1.peer();
+                        tracing::warn!(%peer, "a server pushed other activations than it returned");
+                        self.suspect(
+                            &[peer.to_string()],
+                            "pushed other activations than it returned (signed push proof)",
+                        );
+                        pending = Some(SessionError::PushLie { peer });
+                        break;
+                    }
+                    PushVerdict::ReceiverLied(message) => {
+                        let peer = self.hops[first + 1].sessions[0].1.peer();
+                        tracing::warn!(%peer, %message, "a server's push proof does not hold");
+                        self.suspect(&[peer.to_string()], &message);
+                        lying_receiver = Some(SessionError::BadOutput { peer, message });
+                    }
+                }
+            }
             let out = if self.schedule.check_now() {
-                match self.spot_check(first, start as u32, payload, out).await {
+                match self
+                    .spot_check(first, start as u32, payload, reply.hidden)
+                    .await
+                {
                     Ok(out) => out,
                     Err(e) => {
                         pending = Some(e);
@@ -55,21 +114,24 @@ impl RemoteChain {
                     }
                 }
             } else {
-                out
+                reply.hidden
             };
             let input = std::mem::replace(payload, out);
             self.hops[first].history.push((start as u32, input));
             first += 1;
+        }
+        if pending.is_none() {
+            pending = lying_receiver;
         }
         match stop {
             Some(PushStop::Failed(index, e)) if pending.is_none() && index == answered => {
                 tracing::debug!(error = %e, hop = index, "a pushed step failed; the client goes on");
                 pending = Some(e);
             }
-            Some(PushStop::NotPushed(index)) => {
+            Some(PushStop::NotPushed(index)) if index < self.hops.len() => {
                 tracing::debug!(
                     hop = index,
-                    "a server could not push; the client carries the step on"
+                    "the step was not pushed to this hop; the client carries it on"
                 );
             }
             _ => {}
@@ -77,28 +139,49 @@ impl RemoteChain {
         (first, pending)
     }
 
-    /// Sends one step down the whole route by push and reads every hop's
-    /// output from its session as it comes. Returns the outputs of the
-    /// hops that answered, in order, and where it stopped short, if it did.
+    /// Whether hop `index + 1`'s proof shows that hop `index` pushed it
+    /// exactly what it returned to the client (`reply`).
+    fn judge_push(
+        &self,
+        index: usize,
+        start: u32,
+        step_id: u32,
+        reply: &StepReply,
+        next: &StepReply,
+    ) -> PushVerdict {
+        let sender = &self.hops[index].sessions[0].1;
+        let receiver = &self.hops[index + 1].sessions[0].1;
+        let step = PushedStep {
+            token: receiver.token(),
+            step_id,
+            start_position: start,
+        };
+        match &reply.digest {
+            Some(returned) => judge(next.input_proof.as_ref(), &sender.peer(), &step, returned),
+            // Only a pushed output is followed by another reply.
+            None => PushVerdict::ReceiverLied("an output came for a step nobody pushed".into()),
+        }
+    }
+
+    /// Sends one step through the first `reach` hops by push and reads
+    /// every hop's reply from its session as it comes. Returns the replies
+    /// of the hops that answered, in order, and where it stopped short of
+    /// the route's end, if it did.
     async fn forward_pushed(
         &mut self,
         start: u32,
+        step_id: u32,
         input: &TensorPayload,
-    ) -> (Vec<TensorPayload>, Option<PushStop>) {
-        let step_id = self
-            .hops
-            .iter()
-            .map(|h| h.sessions[0].1.next_step_id())
-            .max()
-            .unwrap_or(1);
-        let push = self.hops[1..]
+        reach: usize,
+    ) -> (Vec<StepReply>, Option<PushStop>) {
+        let push = self.hops[1..reach]
             .iter()
             .map(|h| PushTarget {
                 peer: h.sessions[0].1.peer(),
                 token: h.sessions[0].1.token(),
             })
             .collect();
-        for hop in &mut self.hops {
+        for hop in &mut self.hops[..reach] {
             hop.sessions[0].1.expect_step(step_id);
         }
         let header = StepHeader {
@@ -107,16 +190,15 @@ impl RemoteChain {
             push,
         };
         let decode = input.shape.get(1) == Some(&1);
-        let mut outputs = Vec::with_capacity(self.hops.len());
+        let mut replies = Vec::with_capacity(reach);
         let mut last = Instant::now();
         if let Err(e) = self.hops[0].sessions[0].1.send_step(&header, input).await {
-            return (outputs, Some(PushStop::Failed(0, e)));
+            return (replies, Some(PushStop::Failed(0, e)));
         }
-        let hops = self.hops.len();
-        for index in 0..hops {
+        for index in 0..reach {
             let (hop, session) = &mut self.hops[index].sessions[0];
             match session.receive_output(step_id, input).await {
-                Ok((out, pushed)) => {
+                Ok(reply) => {
                     if decode {
                         // From the previous output to this one: one link and
                         // this hop's compute, what routing compares.
@@ -127,14 +209,16 @@ impl RemoteChain {
                         );
                         last = Instant::now();
                     }
-                    outputs.push(out);
-                    if index + 1 < hops && !pushed {
-                        return (outputs, Some(PushStop::NotPushed(index + 1)));
+                    let pushed = reply.pushed;
+                    replies.push(reply);
+                    if index + 1 < reach && !pushed {
+                        return (replies, Some(PushStop::NotPushed(index + 1)));
                     }
                 }
-                Err(e) => return (outputs, Some(PushStop::Failed(index, e))),
+                Err(e) => return (replies, Some(PushStop::Failed(index, e))),
             }
         }
-        (outputs, None)
+        let stop = (reach < self.hops.len()).then_some(PushStop::NotPushed(reach));
+        (replies, stop)
     }
 }

@@ -130,10 +130,16 @@ impl RemoteChain {
         index: usize,
         route: &[Hop],
     ) -> Result<Vec<(Hop, RemoteSession)>, ClientError> {
+        // The new sessions may push on to the next hop's server.
+        let after = self
+            .hops
+            .get(index + 1)
+            .and_then(|next| next.sessions.first())
+            .map(|(_, s)| s.peer());
         let mut sessions: Vec<(Hop, RemoteSession)> = route
             .iter()
             .cloned()
-            .zip(self.open_all(route).await?)
+            .zip(self.open_all(route, after).await?)
             .collect();
         let history = std::mem::take(&mut self.hops[index].history);
         let mut replayed = Ok(());

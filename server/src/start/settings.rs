@@ -47,6 +47,12 @@ pub(super) fn host_settings(
         mib = (cache_tokens as u64).saturating_mul(cache_bytes_per_token as u64) >> 20,
         "KV-cache budget"
     );
+    if args.corrupt_pushes > 0.0 {
+        tracing::warn!(
+            rate = args.corrupt_pushes,
+            "--corrupt-pushes: this server pushes wrong activations on purpose (a testing aid)"
+        );
+    }
     if args.corrupt_outputs > 0.0 {
         tracing::warn!(
             rate = args.corrupt_outputs,
@@ -69,10 +75,13 @@ pub(super) fn host_settings(
         sessions: Quota::new(per_peer, args.max_sessions),
         cache: CacheBudget::new(cache_tokens),
         corrupt_outputs: args.corrupt_outputs,
+        corrupt_pushes: args.corrupt_pushes,
         compute: args.compute_settings(),
         update_period: args.update_period,
         pushes: Arc::new(PushInboxes::default()),
         control: swarm.node.control(),
+        peer_id: swarm.node.peer_id(),
+        identity: swarm.identity.clone(),
         metrics: swarm.metrics.clone(),
     });
     swarm

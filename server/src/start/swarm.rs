@@ -37,6 +37,8 @@ pub(super) struct JoinedSwarm {
     pub metrics: ServerMetrics,
     /// `--tls-cert`/`--tls-key`, loaded: the secure WebSocket's and HTTPS's.
     pub tls: Option<Arc<TlsIdentity>>,
+    /// The server's key (its peer id's), which signs its pushes.
+    pub identity: libp2p::identity::Keypair,
 }
 
 impl JoinedSwarm {
@@ -77,7 +79,7 @@ impl JoinedSwarm {
         let (mut node, handle, events) = Node::new(swarm);
         node.record_metrics(&mut registry);
         let metrics = ServerMetrics::new(registry);
-        node.serve_dht(args.public_name.clone(), keypair);
+        node.serve_dht(args.public_name.clone(), keypair.clone());
         node.allow_only(allowed_peers);
         node.prefer_relays(initial_peers.iter().map(|(peer, _)| *peer));
 
@@ -101,6 +103,7 @@ impl JoinedSwarm {
             addrs,
             metrics,
             tls,
+            identity: keypair,
         })
     }
 }

@@ -136,6 +136,7 @@ fn open_frame(model: &str, hashes: &[String], max_length: u32) -> Vec<u8> {
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window: 0,
+        next: None,
     })
     .encode()
 }
@@ -290,6 +291,7 @@ async fn a_crowd_opening_sessions_while_the_server_is_busy_all_get_one() {
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window: 0,
+        next: None,
     };
     let opens =
         (0..CROWD).map(|_| {

@@ -148,6 +148,7 @@ async fn metrics_count_a_generation_through_two_servers() {
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window: 0,
+        next: None,
     })
     .encode();
     let reply = exchange(&mut stream, &open).await;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use corolla_client::network::connect;
+use corolla_client::network::{connect, connect_as};
 use corolla_client::{generate, GenerateRequest, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::{block_hashes, span_hash};
 use corolla_model::{Checkpoint, ClientHead, DType, Device, SamplingParams};
@@ -14,9 +14,12 @@ use corolla_shared::protocol::{
     encode_step, encode_step_with, ErrorCode, OpenRequest, PushStep, PushTarget, Request, Response,
     SessionToken, StepHeader, INFERENCE_PROTOCOL, PUSH_PROTOCOL,
 };
+use corolla_shared::push_proof::{view_digest, PushProof, PushedStep};
+use corolla_shared::reach::ReachSettings;
 use corolla_shared::{Limits, TensorPayload, WireDType};
 use corolla_tests::{start_server, tiny_llama, Golden};
 use futures::{AsyncWriteExt, StreamExt};
+use libp2p::identity::Keypair;
 use libp2p::Stream;
 
 async fn server() -> RunningServer {
@@ -47,8 +50,14 @@ async fn exchange(stream: &mut Stream, frame: &[u8]) -> Option<(Option<ErrorCode
     )
 }
 
-fn open(model: &str, start: u32, end: u32, max_length: u32, fingerprint: &str) -> Vec<u8> {
-    Request::Open(OpenRequest {
+fn open_request(
+    model: &str,
+    start: u32,
+    end: u32,
+    max_length: u32,
+    fingerprint: &str,
+) -> OpenRequest {
+    OpenRequest {
         model: model.into(),
         fingerprint: fingerprint.into(),
         start,
@@ -57,12 +66,23 @@ fn open(model: &str, start: u32, end: u32, max_length: u32, fingerprint: &str) -
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window: 0,
-    })
-    .encode()
+        next: None,
+    }
+}
+
+fn open(model: &str, start: u32, end: u32, max_length: u32, fingerprint: &str) -> Vec<u8> {
+    Request::Open(open_request(model, start, end, max_length, fingerprint)).encode()
 }
 
 fn hidden(t: usize, h: usize) -> TensorPayload {
-    TensorPayload::new(WireDType::F32, vec![1, t, h], vec![0; 4 * t * h]).unwrap()
+    hidden_of(t, h, 0.0)
+}
+
+fn hidden_of(t: usize, h: usize, value: f32) -> TensorPayload {
+    let data = std::iter::repeat_n(value.to_le_bytes(), t * h)
+        .flatten()
+        .collect();
+    TensorPayload::new(WireDType::F32, vec![1, t, h], data).unwrap()
 }
 
 fn assert_error(got: Option<(Option<ErrorCode>, String)>, code: ErrorCode, needle: &str) {
@@ -140,6 +160,7 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window: 16_000,
+        next: None,
     })
     .encode();
     let (code, msg) = exchange(&mut s, &flowing).await.unwrap();
@@ -387,24 +408,48 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
     let server = server().await;
     let addr = server.tcp_addr().unwrap().clone();
     let client = connect(std::slice::from_ref(&addr)).await.unwrap();
-    let stranger = connect(std::slice::from_ref(&addr)).await.unwrap();
+    let stranger_key = Keypair::generate_ed25519();
+    let stranger = connect_as(
+        stranger_key.clone(),
+        std::slice::from_ref(&addr),
+        None,
+        &ReachSettings::client(),
+    )
+    .await
+    .unwrap();
     let peer = server.peer_id();
     let model = server.model().to_string();
     let fp = span_hash(&block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 0, 4).unwrap());
 
+    // The session may push only to the stranger, as its Open says.
     let mut session = client
         .control()
         .open_stream(peer, INFERENCE_PROTOCOL)
         .await
         .unwrap();
-    write_frame(&mut session, &open(&model, 0, 4, 16, &fp))
-        .await
-        .unwrap();
+    let opening = Request::Open(OpenRequest {
+        next: Some(stranger.peer_id()),
+        ..open_request(&model, 0, 4, 16, &fp)
+    });
+    write_frame(&mut session, &opening.encode()).await.unwrap();
     let token = match next_response(&mut session).await {
         Response::Opened { token, .. } => token,
         other => panic!("{other:?}"),
     };
 
+    let header = |step_id| StepHeader {
+        start_position: 0,
+        step_id,
+        push: Vec::new(),
+    };
+    let signed = |key: &Keypair, token, step_id, hidden: &TensorPayload| {
+        let step = PushedStep {
+            token,
+            step_id,
+            start_position: 0,
+        };
+        PushProof::sign(key, &step, hidden).unwrap()
+    };
     // A push nobody asked for: refused on the push stream, and three in a
     // row close it.
     let mut push = stranger
@@ -412,13 +457,11 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
         .open_stream(peer, PUSH_PROTOCOL)
         .await
         .unwrap();
-    let header = |step_id| StepHeader {
-        start_position: 0,
-        step_id,
-        push: Vec::new(),
-    };
+    let input = hidden(2, 64);
     for guess in 0..3u8 {
-        let forged = PushStep::encode(SessionToken([guess; 16]), &header(5), &hidden(2, 64));
+        let token = SessionToken([guess; 16]);
+        let proof = signed(&stranger_key, token, 5, &input);
+        let forged = PushStep::encode(token, &header(5), &proof, &input);
         write_frame(&mut push, &forged).await.unwrap();
         match next_response(&mut push).await {
             Response::Error { code, message } => {
@@ -436,41 +479,106 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
         "the push stream is closed after three refusals in a row"
     );
 
-    // With the session's token, the session runs the step and answers its
-    // own client, unasked, under the pushed step's id.
+    // The session's token with a proof not signed by the pusher, or signed
+    // for other numbers: refused before anything is computed.
     let mut push = stranger
         .control()
         .open_stream(peer, PUSH_PROTOCOL)
         .await
         .unwrap();
-    let pushed = PushStep::encode(token, &header(9), &hidden(2, 64));
+    let someone_else = signed(&Keypair::generate_ed25519(), token, 9, &input);
+    let other_numbers = signed(&stranger_key, token, 9, &hidden_of(2, 64, 1.0));
+    for (proof, why) in [
+        (someone_else, "does not hold"),
+        (other_numbers, "not that of what it carries"),
+    ] {
+        write_frame(
+            &mut push,
+            &PushStep::encode(token, &header(9), &proof, &input),
+        )
+        .await
+        .unwrap();
+        match next_response(&mut push).await {
+            Response::Error { code, message } => {
+                assert_eq!(code, ErrorCode::BadFrame);
+                assert!(message.contains(why), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    // With the session's token and the pusher's proof, the session runs the
+    // step and answers its own client, unasked, under the pushed step's id,
+    // with the proof (what the client checks against the pusher's output).
+    let proof = signed(&stranger_key, token, 9, &input);
+    let pushed = PushStep::encode(token, &header(9), &proof, &input);
     write_frame(&mut push, &pushed).await.unwrap();
     match next_response(&mut session).await {
         Response::StepOut {
             step_id,
             pushed,
+            input_proof,
             hidden,
         } => {
             assert_eq!((step_id, pushed), (9, false));
+            assert_eq!(input_proof, Some(proof));
             assert_eq!(hidden.shape, vec![1, 2, 64]);
         }
         other => panic!("{other:?}"),
     }
 
+    // Routes that loop are refused before any compute: one naming this
+    // server, one naming a server twice.
+    let target = |peer, byte| PushTarget {
+        peer,
+        token: SessionToken([byte; 16]),
+    };
+    for route in [
+        vec![target(stranger.peer_id(), 1), target(peer, 2)],
+        vec![
+            target(stranger.peer_id(), 1),
+            target(libp2p::PeerId::random(), 2),
+            target(stranger.peer_id(), 3),
+        ],
+    ] {
+        let step = StepHeader {
+            start_position: 2,
+            step_id: 10,
+            push: route,
+        };
+        match exchange(&mut session, &encode_step_with(&step, &hidden(1, 64))).await {
+            Some((Some(ErrorCode::BadFrame), message)) => {
+                assert!(message.contains("cannot loop"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    // A first target other than the Open's: answered, never pushed.
+    let elsewhere = StepHeader {
+        start_position: 2,
+        step_id: 11,
+        push: vec![target(libp2p::PeerId::random(), 7)],
+    };
+    write_frame(&mut session, &encode_step_with(&elsewhere, &hidden(1, 64)))
+        .await
+        .unwrap();
+    match next_response(&mut session).await {
+        Response::StepOut {
+            step_id, pushed, ..
+        } => assert_eq!((step_id, pushed), (11, false)),
+        other => panic!("{other:?}"),
+    }
+
     // The client names the next session: the server pushes its output
-    // there, with the rest of the route, and says so.
+    // there, with the rest of the route, signed, and says so; what it
+    // pushed is what it returned.
     let mut incoming = stranger.control().accept(PUSH_PROTOCOL).unwrap();
-    let next = PushTarget {
-        peer: stranger.peer_id(),
-        token: SessionToken([42; 16]),
-    };
-    let after = PushTarget {
-        peer: libp2p::PeerId::random(),
-        token: SessionToken([43; 16]),
-    };
+    let next = target(stranger.peer_id(), 42);
+    let after = target(libp2p::PeerId::random(), 43);
     let step = StepHeader {
         start_position: 2,
-        step_id: 10,
+        step_id: 12,
         push: vec![next.clone(), after.clone()],
     };
     write_frame(&mut session, &encode_step_with(&step, &hidden(1, 64)))
@@ -485,13 +593,26 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
     assert!(read_frame(&mut stream, 1 << 20, &mut buf).await.unwrap());
     let got = PushStep::decode(&buf, &Limits::DEFAULT).unwrap();
     assert_eq!(got.token, next.token);
-    assert_eq!((got.header.start_position, got.header.step_id), (2, 10));
+    assert_eq!((got.header.start_position, got.header.step_id), (2, 12));
     assert_eq!(got.header.push, vec![after]);
     assert_eq!(got.hidden.shape, vec![1, 1, 64]);
+    let pushed_step = PushedStep {
+        token: next.token,
+        step_id: 12,
+        start_position: 2,
+    };
+    got.proof.verify(&peer, &pushed_step).unwrap();
+    assert_eq!(got.proof.digest, view_digest(&got.hidden));
     match next_response(&mut session).await {
         Response::StepOut {
-            step_id, pushed, ..
-        } => assert_eq!((step_id, pushed), (10, true)),
+            step_id,
+            pushed,
+            hidden,
+            ..
+        } => {
+            assert_eq!((step_id, pushed), (12, true));
+            assert_eq!(view_digest(&hidden), got.proof.digest);
+        }
         other => panic!("{other:?}"),
     }
 }

@@ -108,6 +108,7 @@ fn open_frame(max_length: u32, flow_window: u32) -> Vec<u8> {
         dtype: WireDType::F32,
         compression: corolla_shared::Compression::None,
         flow_window,
+        next: None,
     })
     .encode()
 }
@@ -488,6 +489,92 @@ async fn spot_checks_catch_a_corrupting_replica() {
     );
     assert!(caught_as_primary >= 15);
     for s in [first, honest, corrupt] {
+        s.shutdown();
+    }
+}
+
+/// A server that returns honest outputs to the client but pushes others to
+/// the next server: its own signed push proof names it, at the default
+/// spot-check rate as with every step checked, and the honest server after
+/// it (whose output from the bad push disagrees with any witness) is never
+/// blamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_liar_is_named_and_the_server_after_it_never_blamed() {
+    let reference = Reference::load();
+    let flags = ["--update-period", "1s"];
+    let liar = start_server(
+        "0:2",
+        None,
+        &["--update-period", "1s", "--corrupt-pushes", "1.0"],
+    )
+    .await;
+    let boot = liar.tcp_addr().unwrap().to_string();
+    // The honest replica of the liar's blocks is the slower one, so routes
+    // choose the liar first; the next blocks have two honest replicas, so a
+    // witness could outvote either.
+    let honest_first = start_server(
+        "0:2",
+        Some(&boot),
+        &["--update-period", "1s", "--step-delay-ms", "30"],
+    )
+    .await;
+    let next = start_server("2:4", Some(&boot), &flags).await;
+    let next_replica = start_server("2:4", Some(&boot), &flags).await;
+    let liar_id = liar.peer_id().to_string();
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let started = Instant::now();
+    while node
+        .discover(MODEL, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .len()
+        < 4
+    {
+        assert!(started.elapsed() < Duration::from_secs(15));
+    }
+    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
+    let referee =
+        Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block");
+
+    for (rate, answers) in [(None, 6), (Some(1.0), 6)] {
+        for seed in 0..answers {
+            let mut s = settings(request(seed).max_length());
+            if let Some(rate) = rate {
+                s.spot_check = rate;
+            }
+            s.referee = Some(referee.clone());
+            let (tokens, mut chain) = swarm_tokens(&reference, &node, s, seed).await;
+            assert_eq!(
+                tokens,
+                reference.tokens(seed).await,
+                "seed {seed}, rate {rate:?}"
+            );
+            let suspects = chain.take_suspects();
+            assert_eq!(
+                suspects,
+                std::slice::from_ref(&liar_id),
+                "seed {seed}, rate {rate:?}"
+            );
+            let recoveries = chain.take_recoveries();
+            assert!(
+                recoveries.iter().all(|r| r.failed_peer == liar_id),
+                "an honest server was blamed: {recoveries:?}"
+            );
+            assert!(recoveries
+                .iter()
+                .any(|r| r.error.contains("pushed other activations")));
+            assert!(chain.route().iter().all(|h| h.peer_id != liar_id));
+            assert!(
+                chain.take_pushed_steps() > 0,
+                "the steps after the liar was replaced go by push again"
+            );
+            chain.close().await;
+        }
+    }
+    println!(
+        "push liar: 12 answers token-identical, the liar named in each, no honest server blamed"
+    );
+    for s in [liar, honest_first, next, next_replica] {
         s.shutdown();
     }
 }
