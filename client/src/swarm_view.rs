@@ -66,6 +66,9 @@ struct ViewState {
     last_failure: HashMap<String, (ErrorKind, String)>,
     /// Peer id -> (failures so far, banned until).
     bans: HashMap<String, (u32, Instant)>,
+    /// Spot checks each server's output passed, by peer id: a server this
+    /// client has seldom checked is checked more often.
+    clean_checks: HashMap<String, u32>,
     refreshing: bool,
 }
 
@@ -449,6 +452,18 @@ impl SwarmView {
 
     pub fn is_banned(&self, peer: &str) -> bool {
         self.state().banned(peer)
+    }
+
+    /// Spot checks `peer`'s output passed so far.
+    pub fn clean_checks(&self, peer: &str) -> u32 {
+        self.state().clean_checks.get(peer).copied().unwrap_or(0)
+    }
+
+    /// Counts a spot check `peer`'s output passed.
+    pub fn record_clean_check(&self, peer: &str) {
+        let mut state = self.state();
+        let count = state.clean_checks.entry(peer.to_string()).or_insert(0);
+        *count = count.saturating_add(1);
     }
 }
 

@@ -56,6 +56,7 @@ impl RemoteChain {
         let tolerance = tolerance_on_the_wire(primary.dtype, self.settings.compression);
         let agree = move |a: &TensorPayload, b: &TensorPayload| agree_within(a, b, tolerance);
         if agree(&primary, &witnessed) {
+            self.passed(&primary_peers);
             return Ok(primary);
         }
         let witness_peers = self.hops[index]
@@ -92,6 +93,7 @@ impl RemoteChain {
         match (agree(&third, &primary), agree(&third, &witnessed)) {
             (true, false) => {
                 // The witness lied; the next check finds another.
+                self.passed(&primary_peers);
                 self.suspect(&witness_peers, WRONG_ACTIVATIONS);
                 if let Some((w, _)) = self.hops[index].witness.take() {
                     w.close().await;
@@ -119,6 +121,13 @@ impl RemoteChain {
             self.view.ban_for(peer, ErrorKind::BadServer, how);
         }
         self.report(peers);
+    }
+
+    /// Counts a check `peers` passed: they are checked less often from now on.
+    fn passed(&self, peers: &[String]) {
+        for peer in peers {
+            self.view.record_clean_check(peer);
+        }
     }
 
     /// Reports `peers` in the answer's suspects.

@@ -137,6 +137,18 @@ impl RemoteChain {
         Ok(chain)
     }
 
+    /// Draws whether to spot-check hop `index`'s output of this step, at
+    /// the rate of its least checked server.
+    fn check_now(&mut self, index: usize) -> bool {
+        let clean = self.hops[index]
+            .sessions
+            .iter()
+            .map(|(hop, _)| self.view.clean_checks(&hop.peer_id))
+            .min()
+            .unwrap_or(0);
+        self.schedule.check_now(clean)
+    }
+
     /// The servers in use now, in order.
     pub fn route(&self) -> Vec<Hop> {
         self.hops
@@ -315,7 +327,7 @@ impl BlockChain for RemoteChain {
                     )
                     .await
                     {
-                        Ok(out) if self.schedule.check_now() => {
+                        Ok(out) if self.check_now(index) => {
                             self.spot_check(index, start as u32, &payload, out).await
                         }
                         other => other,

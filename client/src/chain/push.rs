@@ -102,7 +102,7 @@ impl RemoteChain {
                     }
                 }
             }
-            let out = if self.schedule.check_now() {
+            let out = if self.check_now(first) {
                 match self
                     .spot_check(first, start as u32, payload, reply.hidden)
                     .await

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use corolla_client::network::{connect, connect_with};
 use corolla_client::spot_check::Referee;
+use corolla_client::swarm_view::SwarmView;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::{block_hashes, span_hash};
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
@@ -575,6 +576,103 @@ async fn a_push_liar_is_named_and_the_server_after_it_never_blamed() {
         "push liar: 12 answers token-identical, the liar named in each, no honest server blamed"
     );
     for s in [liar, honest_first, next, next_replica] {
+        s.shutdown();
+    }
+}
+
+/// A server lying on 30 % of its steps against the default spot-check rate
+/// (0.05, the CLI's and the page's): a new identity is checked on most of
+/// its early steps, so it is caught within the first answers of a client
+/// (at the base rate alone, 3 of 5 answers came out wrong and nobody was
+/// named), and every answer after that is the whole model's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frequent_liar_is_caught_early_at_the_default_rate() {
+    let reference = Reference::load();
+    let first = start_server("0:2", None, &["--update-period", "1s"]).await;
+    let boot = first.tcp_addr().unwrap().to_string();
+    // The honest replica is the slower one, so routes choose the liar.
+    let honest = start_server(
+        "2:4",
+        Some(&boot),
+        &["--update-period", "1s", "--step-delay-ms", "30"],
+    )
+    .await;
+    let liar = start_server(
+        "2:4",
+        Some(&boot),
+        &["--update-period", "1s", "--corrupt-outputs", "0.3"],
+    )
+    .await;
+    let (honest_id, liar_id) = (honest.peer_id().to_string(), liar.peer_id().to_string());
+    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+    let started = Instant::now();
+    while node
+        .discover(MODEL, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .len()
+        < 3
+    {
+        assert!(started.elapsed() < Duration::from_secs(15));
+    }
+    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
+    let referee =
+        Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block");
+
+    // One client: one view of the swarm across its answers, as the CLI's
+    // and the page's assistants keep.
+    let answer = |seed: u64| GenerateRequest {
+        max_new_tokens: 24,
+        drafts: 0,
+        ..request(seed)
+    };
+    let mut s = settings(answer(0).max_length());
+    s.spot_check = 0.05;
+    s.referee = Some(referee);
+    let view = SwarmView::new(node.clone(), &s);
+    let mut caught_in = None;
+    let mut wrong_before = 0;
+    for seed in 0..5 {
+        let req = answer(seed);
+        let mut chain = RemoteChain::connect_via(&view, s.clone(), &Device::Cpu)
+            .await
+            .unwrap();
+        let out = generate(&reference.head, &mut chain, &req, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+        let mut local = LocalChain::new(&reference.spans, req.max_length()).unwrap();
+        let expected = generate(&reference.head, &mut local, &req, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .await
+        .unwrap()
+        .generated_ids;
+        let suspects = chain.take_suspects();
+        assert!(
+            !suspects.contains(&honest_id),
+            "seed {seed}: the honest replica was named"
+        );
+        if caught_in.is_none() && suspects.contains(&liar_id) {
+            caught_in = Some(seed);
+        }
+        match caught_in {
+            // Caught in an earlier answer: this one never used the liar.
+            Some(at) if at < seed => assert_eq!(out.generated_ids, expected, "seed {seed}"),
+            _ => wrong_before += usize::from(out.generated_ids != expected),
+        }
+        chain.close().await;
+    }
+    println!(
+        "a 30 % liar at the default rate: caught in answer {caught_in:?} of 5, \
+         {wrong_before} answer(s) wrong up to then"
+    );
+    let caught_in = caught_in.expect("the liar was never caught in 5 answers");
+    // 26 steps an answer: at the base rate alone a 30 % liar survives two
+    // answers about half the time; checked as a new identity, 1 in 2000.
+    assert!(caught_in <= 1, "caught only in answer {caught_in}");
+    for s in [first, honest, liar] {
         s.shutdown();
     }
 }
