@@ -31,7 +31,9 @@ pub use corolla_shared::manifest::{ClientFile, ClientManifest, RowsFile, TensorF
 use crate::config::ServerArgs;
 use crate::error::ServerError;
 use crate::host::SpanHost;
-use crate::http_guard::{guard_request, serve_bounded, Guard, HttpLimits};
+use corolla_http::{serve_bounded, HttpLimits};
+
+use crate::http_guard::{guard_request, Guard};
 use crate::hub::ModelSource;
 use crate::metrics::ServerMetrics;
 use crate::tls::TlsIdentity;
@@ -347,9 +349,9 @@ async fn serve(
     let task = match &config.tls {
         Some(identity) => {
             let listener = crate::tls::TlsListener::new(listener, identity)?;
-            tokio::spawn(serve_bounded(listener, app, limits))
+            tokio::spawn(serve_bounded(listener, app, limits, std::future::pending()))
         }
-        None => tokio::spawn(serve_bounded(listener, app, limits)),
+        None => tokio::spawn(serve_bounded(listener, app, limits, std::future::pending())),
     };
     Ok((local, http, task))
 }

@@ -77,7 +77,7 @@ impl TlsIdentity {
     }
 }
 
-/// An https listener for `http_guard::serve_bounded`: handshakes run in their own tasks
+/// An https listener for `corolla_http::serve_bounded`: handshakes run in their own tasks
 /// (with a deadline), so a slow or silent client never holds up the others.
 pub struct TlsListener {
     ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
@@ -117,7 +117,7 @@ impl TlsListener {
     }
 }
 
-impl crate::http_guard::Accept for TlsListener {
+impl corolla_http::Accept for TlsListener {
     type Io = TlsStream<TcpStream>;
 
     async fn accept(&mut self) -> std::io::Result<Self::Io> {

@@ -60,9 +60,25 @@ impl ApiError {
     }
 }
 
+/// What a refusal for want of capacity suggests waiting before trying again.
+const RETRY_AFTER_SECONDS: u32 = 5;
+
 impl IntoResponse for ApiError {
+    /// A refusal a later try can get past (busy servers, one leaving) says
+    /// when to try again.
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let retryable = matches!(
+            self.code,
+            Some(code) if code == ErrorKind::Busy.as_str() || code == ErrorKind::ShuttingDown.as_str()
+        );
+        let mut response = (self.status, Json(self.body())).into_response();
+        if retryable {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
     }
 }
 
@@ -80,5 +96,43 @@ impl From<ClientError> for ApiError {
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, e.to_string()).with_code(kind.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(cause: ErrorKind) -> ClientError {
+        ClientError::Refused {
+            uncovered: vec![(0, 4)],
+            reasons: vec!["a (blocks 0..4): busy: 16/16 sessions in use".into()],
+            cause,
+        }
+    }
+
+    #[test]
+    fn a_busy_swarm_says_so_and_when_to_try_again() {
+        let response = ApiError::from(refused(ErrorKind::Busy)).into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            response.headers().get(axum::http::header::RETRY_AFTER),
+            Some(&axum::http::HeaderValue::from(RETRY_AFTER_SECONDS))
+        );
+        // A swarm without the blocks is no better in 5 s: no Retry-After.
+        let response = ApiError::from(ClientError::NoRoute {
+            uncovered: vec![(0, 4)],
+        })
+        .into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(response
+            .headers()
+            .get(axum::http::header::RETRY_AFTER)
+            .is_none());
+        let response = ApiError::from(refused(ErrorKind::BadServer)).into_response();
+        assert!(response
+            .headers()
+            .get(axum::http::header::RETRY_AFTER)
+            .is_none());
     }
 }

@@ -20,6 +20,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use corolla_http::{serve_bounded, HttpLimits};
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, Semaphore};
 
@@ -46,6 +47,11 @@ pub struct ApiSettings {
     pub default_max_tokens: usize,
     /// The longest draft of a multi-token step; 0: one token per step.
     pub drafts: usize,
+    /// The most tokens one request may ask for (`max_tokens`); more is a
+    /// bad request, not an answer that holds a session for minutes.
+    pub max_tokens_cap: usize,
+    /// Connections at once, the header deadline, a connection's lifetime.
+    pub http: HttpLimits,
 }
 
 impl Default for ApiSettings {
@@ -58,6 +64,8 @@ impl Default for ApiSettings {
             kept_conversations: 8,
             default_max_tokens: 512,
             drafts: crate::DEFAULT_DRAFTS,
+            max_tokens_cap: 4096,
+            http: HttpLimits::default(),
         }
     }
 }
@@ -95,6 +103,9 @@ impl ApiServer {
 pub async fn serve(assistant: Arc<Assistant>, settings: ApiSettings) -> std::io::Result<ApiServer> {
     let listener = tokio::net::TcpListener::bind(settings.addr).await?;
     let addr = listener.local_addr()?;
+    let limits = settings.http;
+    // Idle sockets must meet the connection cap before the kernel's file limit.
+    corolla_http::raise_open_file_limit();
     let state = Arc::new(ApiState {
         assistant,
         permits: Arc::new(Semaphore::new(settings.max_concurrent.max(1))),
@@ -115,11 +126,11 @@ pub async fn serve(assistant: Arc<Assistant>, settings: ApiSettings) -> std::io:
         .with_state(state);
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stopped.await;
-            })
-            .await
+        let stopped = async {
+            let _ = stopped.await;
+        };
+        serve_bounded(listener, app, limits, stopped).await;
+        Ok(())
     });
     tracing::info!(%addr, "OpenAI-compatible API listening");
     Ok(ApiServer {

@@ -213,6 +213,13 @@ pub(super) fn job(state: &ApiState, common: Common, prompt_ids: Vec<u32>) -> Res
         ))
         .with_code(ErrorKind::ContextLengthExceeded.as_str()));
     }
+    // Within the context, but more than this API lets one request hold a session for.
+    let cap = state.settings.max_tokens_cap;
+    if max_new_tokens > cap {
+        return Err(ApiError::bad_request(format!(
+            "max_tokens {max_new_tokens} exceeds this API's cap of {cap} tokens per request"
+        )));
+    }
     Ok(Job {
         request: GenerateRequest {
             prompt_ids,

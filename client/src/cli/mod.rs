@@ -105,6 +105,15 @@ struct ApiArgs {
     /// The longest draft a step checks (prompt lookup); 0: one token per step.
     #[arg(long, default_value_t = crate::DEFAULT_DRAFTS)]
     drafts: usize,
+    /// The most tokens one request may ask for (`max_tokens`); more is refused (400).
+    #[arg(long, default_value_t = 4096)]
+    max_tokens_cap: usize,
+    /// HTTP connections at once; more are closed on arrival.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// A request's head must arrive within this many seconds.
+    #[arg(long, default_value = "10", value_parser = args::parse_seconds)]
+    header_timeout: std::time::Duration,
 }
 
 #[derive(Args, Debug)]
@@ -261,6 +270,12 @@ async fn run_api(args: ApiArgs) -> Result<()> {
         max_concurrent: args.max_concurrent,
         kept_conversations: args.kept_conversations,
         drafts: args.drafts,
+        max_tokens_cap: args.max_tokens_cap.max(1),
+        http: corolla_http::HttpLimits {
+            max_connections: args.max_connections.max(1),
+            header_timeout: args.header_timeout,
+            ..corolla_http::HttpLimits::default()
+        },
         ..crate::api::ApiSettings::default()
     };
     let server = crate::api::serve(std::sync::Arc::new(assistant), settings)

@@ -24,7 +24,7 @@ pub struct Server;
 
 impl Server {
     pub async fn start(args: ServerArgs) -> Result<RunningServer, ServerError> {
-        match crate::http_guard::raise_open_file_limit() {
+        match corolla_http::raise_open_file_limit() {
             Some(n) => tracing::debug!(open_files = n, "open-file limit"),
             None => tracing::debug!("cannot read the open-file limit"),
         }
