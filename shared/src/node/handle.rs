@@ -8,6 +8,7 @@ use futures::channel::{mpsc, oneshot};
 use futures::SinkExt;
 use libp2p::{Multiaddr, PeerId};
 
+use super::addresses::dialable_addresses;
 use super::{Announcement, Command, NodeError, ReachReport, Via};
 use crate::protocol::model_dht_key;
 use crate::record::ServerRecord;
@@ -145,10 +146,9 @@ impl NodeHandle {
         if record.leaving {
             return Err(NodeError::Lookup(format!("{peer} has left the swarm")));
         }
-        for addr in &record.addresses {
-            if let Ok(addr) = addr.parse::<Multiaddr>() {
-                self.add_address(peer, addr).await?;
-            }
+        let own = self.listen_addrs().await?;
+        for addr in dialable_addresses(&record.addresses, &own) {
+            self.add_address(peer, addr).await?;
         }
         Ok(record)
     }

@@ -42,7 +42,7 @@ use libp2p::kad::{self, QueryId, RecordKey};
 use libp2p::{Multiaddr, PeerId, Swarm};
 use web_time::Instant;
 
-pub use addresses::with_host;
+pub use addresses::{dialable_addresses, with_host, MAX_ADDRESSES_PER_PEER};
 pub use announce::{Announcement, LiveFigures};
 pub use direct::Via;
 pub use handle::NodeHandle;

@@ -315,6 +315,64 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
     server.shutdown();
 }
 
+/// A record may list any host:ports; a client dials at most a few of them
+/// (it is no reflection tool against third parties).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_listing_a_hundred_addresses_gets_a_few_dialed() {
+    let server = start_server("0:4", None, &["--update-period", "60s"]).await;
+    let boot = server.tcp_addr().unwrap().clone();
+    let client = connect(std::slice::from_ref(&boot)).await.unwrap();
+    let honest = client
+        .discover(MODEL, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .remove(0);
+
+    // A hundred third-party ports, each noting whether it was dialed.
+    let dialed_ports = Arc::new(std::sync::Mutex::new(HashSet::new()));
+    let mut ports = Vec::new();
+    for _ in 0..100 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        ports.push(port);
+        let dialed_ports = dialed_ports.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                dialed_ports.lock().unwrap().insert(port);
+                drop(socket);
+            }
+        });
+    }
+    let key = libp2p::identity::Keypair::generate_ed25519();
+    let fake = key.public().to_peer_id();
+    let mut record = honest.clone();
+    record.peer_id = fake.to_string();
+    record.addresses = ports
+        .iter()
+        .map(|port| format!("/ip4/127.0.0.1/tcp/{port}/p2p/{fake}"))
+        .collect();
+    forge_record(&boot, server_dht_key(&fake), record.sign(&key).unwrap()).await;
+
+    let found = client.server_record(fake).await.unwrap();
+    assert_eq!(found.addresses.len(), 100, "the record arrived whole");
+    let opened = tokio::time::timeout(
+        Duration::from_secs(20),
+        client
+            .control()
+            .open_stream(fake, corolla_shared::protocol::INFERENCE_PROTOCOL),
+    )
+    .await;
+    assert!(!matches!(opened, Ok(Ok(_))), "nobody speaks libp2p there");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let dialed = dialed_ports.lock().unwrap().len();
+    println!("a record listing 100 addresses: {dialed} of them dialed");
+    assert!(
+        (1..=corolla_shared::node::MAX_ADDRESSES_PER_PEER).contains(&dialed),
+        "{dialed} of the record's 100 addresses were dialed"
+    );
+    server.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nobody_can_forge_a_servers_record() {
     let server = start_server("0:4", None, &["--update-period", "60s"]).await;
