@@ -10,6 +10,7 @@ mod admission;
 mod cli;
 mod compute;
 pub mod config;
+mod corruption;
 mod error;
 mod host;
 mod host_settings;

@@ -6,7 +6,7 @@
 //! the session returns to its client with the output; whatever arrives is
 //! checked like a client's step, by the session it is for.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -278,6 +278,20 @@ async fn serve_pushes(
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), stream.close()).await;
+}
+
+/// Refuses a push route that names this server or any server twice: a
+/// loop would make one client frame cost a step on every pass.
+pub(crate) fn check_route(this_server: PeerId, route: &[PushTarget]) -> Result<(), String> {
+    let mut seen = HashSet::with_capacity(route.len() + 1);
+    seen.insert(this_server);
+    match route.iter().find(|t| !seen.insert(t.peer)) {
+        None => Ok(()),
+        Some(t) => Err(format!(
+            "the push route names {} twice (or this server): routes cannot loop",
+            t.peer
+        )),
+    }
 }
 
 /// Whether `push` carries its sender's signature over exactly what it

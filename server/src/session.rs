@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use corolla_model::fingerprint::span_hash;
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
-use corolla_model::{DType, Tensor};
+
 use corolla_shared::flow::{FlowSender, MIN_WINDOW};
 use corolla_shared::framing::{write_frame, FrameReader};
-use corolla_shared::protocol::{ErrorCode, OpenRequest, PushTarget, Request, Response, StepHeader};
+use corolla_shared::protocol::{ErrorCode, OpenRequest, Request, Response, StepHeader};
 use corolla_shared::push_proof::PushProof;
 use corolla_shared::{Compression, ServerRecord, TensorPayload, TensorView, WireDType};
 use futures::AsyncWriteExt;
@@ -24,10 +24,11 @@ use tokio::time::Instant;
 
 use crate::admission::{BudgetFull, Refusal, Reservation, Slot};
 use crate::compute::{CacheLease, ComputeCore};
+use crate::corruption;
 use crate::error::ComputeError;
 use crate::host_settings::HostSettings;
 use crate::metrics::{ServerMetrics, StepKind};
-use crate::push::{Inbox, PushLink, Pushed};
+use crate::push::{check_route, Inbox, PushLink, Pushed};
 use crate::refuse::MAX_BAD_REQUESTS_IN_A_ROW;
 
 /// What a refusal for want of cache suggests waiting before trying again.
@@ -477,7 +478,7 @@ async fn run_step(
         (Some(s), Some(target)) if s.next == Some(target.peer) => {
             let corrupt = ctx.settings.corrupt_pushes > 0.0
                 && rand::random::<f64>() < ctx.settings.corrupt_pushes;
-            let noisy = corrupt.then(|| with_noise(&out, ctx.core.span().device()));
+            let noisy = corrupt.then(|| corruption::with_noise(&out, ctx.core.span().device()));
             let to_push = match &noisy {
                 Some(Ok(noisy)) => noisy,
                 _ => &out,
@@ -503,20 +504,6 @@ async fn run_step(
     }
     .encode();
     (s, Ok(frame))
-}
-
-/// Refuses a push route that names this server or any server twice: a
-/// loop would make one client frame cost a step on every pass.
-fn check_route(this_server: PeerId, route: &[PushTarget]) -> Result<(), String> {
-    let mut seen = std::collections::HashSet::with_capacity(route.len() + 1);
-    seen.insert(this_server);
-    match route.iter().find(|t| !seen.insert(t.peer)) {
-        None => Ok(()),
-        Some(t) => Err(format!(
-            "the push route names {} twice (or this server): routes cannot loop",
-            t.peer
-        )),
-    }
 }
 
 /// The output of a step, or why there is none.
@@ -598,34 +585,15 @@ async fn compute_step(
         Err(e) => return (Some(s), Err((ErrorCode::Internal, e.to_string()))),
     };
     s.len = start + positions;
-    let payload = (if corrupt { add_noise(&out) } else { Ok(out) })
-        .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire))
-        .map(|out| out.compressed(s.compression));
+    let payload = (if corrupt {
+        corruption::add_noise(&out)
+    } else {
+        Ok(out)
+    })
+    .and_then(|y| to_payload(&y.to_dtype(candle_dtype(wire))?, wire))
+    .map(|out| out.compressed(s.compression));
     (
         Some(s),
         payload.map_err(|e| (ErrorCode::Internal, e.to_string())),
     )
-}
-
-/// `--corrupt-pushes`: `payload` with noise added, as it would go on the wire.
-fn with_noise(
-    payload: &TensorPayload,
-    device: &corolla_model::Device,
-) -> corolla_model::Result<TensorPayload> {
-    let y = from_view(&payload.decompressed().view(), device)?;
-    let noisy = add_noise(&y)?;
-    Ok(to_payload(&noisy, payload.dtype)?.compressed(payload.compression))
-}
-
-/// `--corrupt-outputs`: plausible but wrong activations, `y` plus Gaussian
-/// noise of a tenth of its root mean square.
-fn add_noise(y: &Tensor) -> corolla_model::Result<Tensor> {
-    let rms = y
-        .to_dtype(DType::F32)?
-        .sqr()?
-        .mean_all()?
-        .sqrt()?
-        .to_scalar::<f32>()?;
-    let noise = Tensor::randn(0f32, 0.1 * rms.max(1e-3), y.shape(), y.device())?;
-    Ok((y + noise.to_dtype(y.dtype())?)?)
 }

@@ -280,12 +280,13 @@ impl RemoteChain {
     ) -> Result<Vec<RemoteSession>, ClientError> {
         let mut sessions = Vec::with_capacity(route.len());
         for (index, hop) in route.iter().enumerate() {
+            let this = peer_of(hop)?;
             let next = match route.get(index + 1) {
                 Some(next) => Some(peer_of(next)?),
                 None => after,
             }
             // A server hosting the next blocks too cannot push to itself.
-            .filter(|next| next.to_string() != hop.peer_id);
+            .filter(|next| *next != this);
             match self.open(hop, next).await {
                 Ok(s) => sessions.push(s),
                 Err(e) => {

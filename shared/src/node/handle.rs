@@ -140,14 +140,24 @@ impl NodeHandle {
     /// The record `peer` published, checked to be its own; its addresses are
     /// handed to the swarm so that streams to it can be opened.
     pub async fn server_record(&self, peer: PeerId) -> Result<ServerRecord, NodeError> {
+        let own = self.listen_addrs().await?;
+        self.server_record_from(peer, &own).await
+    }
+
+    /// [`Self::server_record`], for a node listening on `own` (which
+    /// decides the private addresses worth dialing).
+    async fn server_record_from(
+        &self,
+        peer: PeerId,
+        own: &[Multiaddr],
+    ) -> Result<ServerRecord, NodeError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::GetRecord { peer, reply: tx }).await?;
         let record = rx.await.map_err(|_| NodeError::Stopped)??;
         if record.leaving {
             return Err(NodeError::Lookup(format!("{peer} has left the swarm")));
         }
-        let own = self.listen_addrs().await?;
-        for addr in dialable_addresses(&record.addresses, &own) {
+        for addr in dialable_addresses(&record.addresses, own) {
             self.add_address(peer, addr).await?;
         }
         Ok(record)
@@ -160,8 +170,10 @@ impl NodeHandle {
         timeout: Duration,
     ) -> Result<Vec<ServerRecord>, NodeError> {
         let peers = self.providers(model, timeout).await?;
+        let own = self.listen_addrs().await?;
+        let own = &own;
         let lookups = peers.into_iter().map(|peer| async move {
-            match with_timeout(timeout, self.server_record(peer)).await {
+            match with_timeout(timeout, self.server_record_from(peer, own)).await {
                 Ok(Ok(r)) => Some(r),
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "no usable record");

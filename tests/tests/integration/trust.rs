@@ -82,6 +82,90 @@ impl Reference {
     }
 }
 
+/// Waits (at most 15 s) until the DHT lists `count` servers of the model.
+async fn until_servers(node: &NodeHandle, count: usize) {
+    let started = Instant::now();
+    while node
+        .discover(MODEL, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .len()
+        < count
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "fewer than {count} servers announced"
+        );
+    }
+}
+
+/// The client's own blocks, for third opinions.
+fn referee() -> Referee {
+    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
+    Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block")
+}
+
+/// Blocks 0..2 on one server; 2..4 on an honest replica and on a liar
+/// answering a share of steps wrong (`--corrupt-outputs`). The honest
+/// replica is the slower one, so routes choose the liar.
+struct ReplicaLiar {
+    first: RunningServer,
+    honest: RunningServer,
+    liar: RunningServer,
+}
+
+impl ReplicaLiar {
+    async fn start(corrupt_outputs: &str) -> Self {
+        let first = start_server("0:2", None, &["--update-period", "1s"]).await;
+        let boot = first.tcp_addr().unwrap().to_string();
+        let honest = start_server(
+            "2:4",
+            Some(&boot),
+            &["--update-period", "1s", "--step-delay-ms", "30"],
+        )
+        .await;
+        let liar = start_server(
+            "2:4",
+            Some(&boot),
+            &[
+                "--update-period",
+                "1s",
+                "--corrupt-outputs",
+                corrupt_outputs,
+            ],
+        )
+        .await;
+        ReplicaLiar {
+            first,
+            honest,
+            liar,
+        }
+    }
+
+    fn honest_id(&self) -> String {
+        self.honest.peer_id().to_string()
+    }
+
+    fn liar_id(&self) -> String {
+        self.liar.peer_id().to_string()
+    }
+
+    /// A client that sees all three servers.
+    async fn client(&self) -> NodeHandle {
+        let node = connect(std::slice::from_ref(self.first.tcp_addr().unwrap()))
+            .await
+            .unwrap();
+        until_servers(&node, 3).await;
+        node
+    }
+
+    fn shutdown(self) {
+        for s in [self.first, self.honest, self.liar] {
+            s.shutdown();
+        }
+    }
+}
+
 async fn swarm_tokens(
     reference: &Reference,
     node: &NodeHandle,
@@ -476,37 +560,10 @@ async fn lies_about_speed_and_impossible_outputs_are_survived() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spot_checks_catch_a_corrupting_replica() {
     let reference = Reference::load();
-    let flags = ["--update-period", "1s"];
-    let first = start_server("0:2", None, &flags).await;
-    let boot = first.tcp_addr().unwrap().to_string();
-    // The honest replica is the slower one, so routes choose the corrupter.
-    let honest = start_server(
-        "2:4",
-        Some(&boot),
-        &["--update-period", "1s", "--step-delay-ms", "30"],
-    )
-    .await;
-    let corrupt = start_server(
-        "2:4",
-        Some(&boot),
-        &["--update-period", "1s", "--corrupt-outputs", "1.0"],
-    )
-    .await;
-    let (honest_id, corrupt_id) = (honest.peer_id().to_string(), corrupt.peer_id().to_string());
-    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let started = Instant::now();
-    while node
-        .discover(MODEL, Duration::from_secs(2))
-        .await
-        .unwrap()
-        .len()
-        < 3
-    {
-        assert!(started.elapsed() < Duration::from_secs(15));
-    }
-    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
-    let referee =
-        Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block");
+    let swarm = ReplicaLiar::start("1.0").await;
+    let (honest_id, corrupt_id) = (swarm.honest_id(), swarm.liar_id());
+    let node = swarm.client().await;
+    let referee = referee();
 
     // Spot checks off, the corrupter forced: the corruption shows.
     let mut changed = 0;
@@ -547,9 +604,7 @@ async fn spot_checks_catch_a_corrupting_replica() {
         "spot checks: 30 answers, corrupter caught in 30 ({caught_as_primary} as the primary)"
     );
     assert!(caught_as_primary >= 15);
-    for s in [first, honest, corrupt] {
-        s.shutdown();
-    }
+    swarm.shutdown();
 }
 
 /// A server that returns honest outputs to the client but pushes others to
@@ -581,19 +636,8 @@ async fn a_push_liar_is_named_and_the_server_after_it_never_blamed() {
     let next_replica = start_server("2:4", Some(&boot), &flags).await;
     let liar_id = liar.peer_id().to_string();
     let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let started = Instant::now();
-    while node
-        .discover(MODEL, Duration::from_secs(2))
-        .await
-        .unwrap()
-        .len()
-        < 4
-    {
-        assert!(started.elapsed() < Duration::from_secs(15));
-    }
-    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
-    let referee =
-        Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block");
+    until_servers(&node, 4).await;
+    let referee = referee();
 
     for (rate, answers) in [(None, 6), (Some(1.0), 6)] {
         for seed in 0..answers {
@@ -646,36 +690,10 @@ async fn a_push_liar_is_named_and_the_server_after_it_never_blamed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frequent_liar_is_caught_early_at_the_default_rate() {
     let reference = Reference::load();
-    let first = start_server("0:2", None, &["--update-period", "1s"]).await;
-    let boot = first.tcp_addr().unwrap().to_string();
-    // The honest replica is the slower one, so routes choose the liar.
-    let honest = start_server(
-        "2:4",
-        Some(&boot),
-        &["--update-period", "1s", "--step-delay-ms", "30"],
-    )
-    .await;
-    let liar = start_server(
-        "2:4",
-        Some(&boot),
-        &["--update-period", "1s", "--corrupt-outputs", "0.3"],
-    )
-    .await;
-    let (honest_id, liar_id) = (honest.peer_id().to_string(), liar.peer_id().to_string());
-    let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let started = Instant::now();
-    while node
-        .discover(MODEL, Duration::from_secs(2))
-        .await
-        .unwrap()
-        .len()
-        < 3
-    {
-        assert!(started.elapsed() < Duration::from_secs(15));
-    }
-    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
-    let referee =
-        Referee::new(checkpoint, DType::F32, Device::Cpu).expect("the fixture holds every block");
+    let swarm = ReplicaLiar::start("0.3").await;
+    let (honest_id, liar_id) = (swarm.honest_id(), swarm.liar_id());
+    let node = swarm.client().await;
+    let referee = referee();
 
     // One client: one view of the swarm across its answers, as the CLI's
     // and the page's assistants keep.
@@ -730,9 +748,7 @@ async fn a_frequent_liar_is_caught_early_at_the_default_rate() {
     // 26 steps an answer: at the base rate alone a 30 % liar survives two
     // answers about half the time; checked as a new identity, 1 in 2000.
     assert!(caught_in <= 1, "caught only in answer {caught_in}");
-    for s in [first, honest, liar] {
-        s.shutdown();
-    }
+    swarm.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -793,16 +809,7 @@ async fn a_leaving_server_says_so_and_the_answer_goes_on() {
     let boot = a.tcp_addr().unwrap().to_string();
     let b = start_server("0:4", Some(&boot), &flags).await;
     let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let started = Instant::now();
-    while node
-        .discover(MODEL, Duration::from_secs(2))
-        .await
-        .unwrap()
-        .len()
-        < 2
-    {
-        assert!(started.elapsed() < Duration::from_secs(15));
-    }
+    until_servers(&node, 2).await;
     // Pin the answer on b, then let b leave under it.
     let mut s = settings(64);
     s.allowed_servers = None;
@@ -862,8 +869,7 @@ async fn chaos_with_a_liar_every_session_completes_token_identical() {
     honest.push(start_server("2:4", Some(&boot), &flags).await);
     let honest = Arc::new(Mutex::new(honest));
     let node = connect(&[boot.parse().unwrap()]).await.unwrap();
-    let checkpoint = Arc::new(Checkpoint::open(tiny_llama()).unwrap());
-    let referee = Referee::new(checkpoint, DType::F32, Device::Cpu).unwrap();
+    let referee = referee();
 
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let chaos = {
