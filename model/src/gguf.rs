@@ -117,6 +117,36 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// Whether the header sets `general.alignment` to 0, which candle's reader
+/// divides by (a panic on a malformed file, found by `fuzz/gguf`): the key's
+/// bytes, then an integer type tag and a zero.
+/// Only the metadata at the file's start is looked at (a 70B file's tensor
+/// data is tens of GB): the first 64 MiB, more than any tokenizer's metadata.
+fn has_zero_alignment(bytes: &[u8]) -> bool {
+    const KEY: &[u8] = b"general.alignment";
+    const METADATA_SCANNED: usize = 64 << 20;
+    bytes[..bytes.len().min(METADATA_SCANNED)]
+        .windows(KEY.len())
+        .enumerate()
+        .filter(|(_, w)| *w == KEY)
+        .any(|(at, _)| {
+            let rest = &bytes[at + KEY.len()..];
+            let Some((tag, value)) = rest.split_first_chunk::<4>() else {
+                return false;
+            };
+            // GGUF's integer types: u8, i8, u16, i16, u32, i32 (0..=5).
+            let width = match u32::from_le_bytes(*tag) {
+                0 | 1 => 1,
+                2 | 3 => 2,
+                4 | 5 => 4,
+                _ => return false,
+            };
+            value
+                .get(..width)
+                .is_some_and(|v| v.iter().all(|b| *b == 0))
+        })
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         Self::from_bytes(path, FileBytes::map(path)?)
@@ -124,6 +154,9 @@ impl GgufFile {
 
     /// Parses a GGUF file held in memory (or mapped); `path` names it in errors.
     pub fn from_bytes(path: &Path, mmap: FileBytes) -> Result<Self> {
+        if has_zero_alignment(&mmap) {
+            return Err(ModelError::invalid_file(path, "general.alignment is 0"));
+        }
         let content = Content::read(&mut std::io::Cursor::new(&mmap[..]))
             .map_err(|e| ModelError::invalid_file(path, e))?;
         let mut tensors = HashMap::new();
@@ -486,6 +519,22 @@ impl GgufTokenizer {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_zero_alignment_is_refused_before_candle_divides_by_it() {
+        let crash = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/gguf_zero_alignment.bin"
+        ))
+        .unwrap();
+        assert!(super::has_zero_alignment(&crash));
+        let err = super::GgufFile::from_bytes(
+            std::path::Path::new("crash.gguf"),
+            super::FileBytes::Owned(crash),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("general.alignment is 0"), "{err}");
+    }
+
     use super::*;
 
     #[test]
