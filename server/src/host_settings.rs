@@ -5,14 +5,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use corolla_shared::source_address::PeerSources;
 use corolla_shared::{Limits, ServerRecord};
 use libp2p::identity::Keypair;
 use libp2p::PeerId;
 
-use crate::admission::{CacheBudget, Quota};
+use crate::admission::CacheBudget;
 use crate::compute::ComputeSettings;
 use crate::metrics::ServerMetrics;
 use crate::push::PushInboxes;
+use crate::quota::{Holder, Quota};
 
 /// What stays the same whichever span the server hosts.
 pub(crate) struct HostSettings {
@@ -38,4 +40,16 @@ pub(crate) struct HostSettings {
     /// Signs what this server pushes (see `corolla_shared::push_proof`).
     pub identity: Keypair,
     pub metrics: ServerMetrics,
+    /// Where each connected peer comes from: slots are shared per source.
+    pub sources: PeerSources,
+}
+
+impl HostSettings {
+    /// `peer` as the quotas see it: with the address it connected from.
+    pub fn holder(&self, peer: PeerId) -> Holder {
+        Holder {
+            peer,
+            source: self.sources.of(&peer),
+        }
+    }
 }

@@ -24,6 +24,8 @@ mod metrics;
 mod monitor;
 mod placement;
 mod push;
+mod push_stream;
+mod quota;
 mod rebalance;
 mod refuse;
 mod running;

@@ -19,7 +19,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::admission::{CacheBudget, Quota};
+use crate::admission::CacheBudget;
+use crate::quota::Quota;
 
 /// What `GET /metrics` answers with.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -359,7 +360,12 @@ mod tests {
         let sessions = Quota::new(4, 4);
         let cache = CacheBudget::new(1000);
         metrics.watch(sessions.clone(), cache.clone());
-        let _slot = sessions.try_take(PeerId::random()).unwrap();
+        let _slot = sessions
+            .try_take(crate::quota::Holder {
+                peer: PeerId::random(),
+                source: None,
+            })
+            .unwrap();
         let _reserved = cache.try_reserve(300).unwrap();
         metrics.step_served(StepKind::of(false, 7), 7, Duration::from_millis(3));
         metrics.step_served(StepKind::of(false, 1), 1, Duration::from_millis(1));

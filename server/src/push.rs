@@ -1,6 +1,7 @@
 //! Server-to-server push (`/corolla/push/2`): a server sends its step output
-//! straight to the next server of its client's route, and takes pushes in
-//! for its own sessions. A push gets in only with a session's token, which
+//! straight to the next server of its client's route, and keeps the inboxes
+//! where pushes for its own sessions arrive (`push_stream.rs` reads them
+//! off the network). A push gets in only with a session's token, which
 //! the server gave that session's client alone, and with its sender's
 //! signed digest of what it carries (`corolla_shared::push_proof`), which
 //! the session returns to its client with the output; whatever arrives is
@@ -10,22 +11,13 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use corolla_shared::framing::{write_frame, FrameReader};
-use corolla_shared::protocol::{
-    ErrorCode, PushStep, PushTarget, Response, SessionToken, StepHeader, PUSH_PROTOCOL,
-};
+use corolla_shared::framing::write_frame;
+use corolla_shared::protocol::{PushStep, PushTarget, SessionToken, StepHeader, PUSH_PROTOCOL};
 use corolla_shared::push_proof::{view_digest, PushProof, PushedStep};
-use corolla_shared::{Limits, TensorPayload};
-use futures::{AsyncWriteExt, StreamExt};
+use corolla_shared::TensorPayload;
 use libp2p::identity::Keypair;
 use libp2p::{PeerId, Stream};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-
-use crate::admission::Quota;
-use crate::error::ServerError;
-use crate::metrics::ServerMetrics;
-use crate::refuse::{refuse_stream, MAX_BAD_REQUESTS_IN_A_ROW};
 
 /// Pushed steps a session holds before further pushes are refused: one
 /// is in flight on an honest route; more means a pusher outrunning it.
@@ -86,7 +78,7 @@ impl PushInboxes {
     }
 
     /// Hands `pushed` to the session of `token`; the refusal says why not.
-    fn deliver(&self, token: SessionToken, pushed: Pushed) -> Result<(), String> {
+    pub(crate) fn deliver(&self, token: SessionToken, pushed: Pushed) -> Result<(), String> {
         let sender = self
             .lock()
             .get(&token)
@@ -181,105 +173,6 @@ impl PushLink {
     }
 }
 
-/// Takes pushes in: each stream is read frame by frame; a push for an
-/// open session goes to its inbox, any other is answered with an error
-/// frame, and a stream with too many refusals in a row is closed.
-pub(crate) fn accept_pushes(
-    control: &mut libp2p_stream::Control,
-    inboxes: Arc<PushInboxes>,
-    limits: Limits,
-    idle_timeout: Duration,
-    streams: Arc<Quota>,
-    metrics: ServerMetrics,
-) -> Result<JoinHandle<()>, ServerError> {
-    let mut incoming = control
-        .accept(PUSH_PROTOCOL)
-        .map_err(|e| ServerError::Network(e.to_string()))?;
-    Ok(tokio::spawn(async move {
-        let mut tasks = tokio::task::JoinSet::new();
-        loop {
-            tokio::select! {
-                next = incoming.next() => match next {
-                    Some((peer, stream)) => match streams.try_take(peer) {
-                        Ok(slot) => {
-                            let inboxes = inboxes.clone();
-                            let metrics = metrics.clone();
-                            tasks.spawn(async move {
-                                serve_pushes(stream, peer, &inboxes, limits, idle_timeout, &metrics).await;
-                                drop(slot);
-                            });
-                        }
-                        Err(refusal) => {
-                            tasks.spawn(refuse_stream(stream, peer, ErrorCode::Busy, refusal.stream_message(), metrics.clone()));
-                        }
-                    },
-                    None => break,
-                },
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-            }
-        }
-    }))
-}
-
-async fn serve_pushes(
-    mut stream: Stream,
-    peer: PeerId,
-    inboxes: &PushInboxes,
-    limits: Limits,
-    idle_timeout: Duration,
-    metrics: &ServerMetrics,
-) {
-    let mut reader = FrameReader::new(limits.max_frame_bytes());
-    let mut refused_in_a_row = 0;
-    loop {
-        let frame = match tokio::time::timeout(idle_timeout, reader.next_frame(&mut stream)).await {
-            Ok(Ok(Some(frame))) => frame,
-            Ok(Ok(None)) | Err(_) => break,
-            Ok(Err(e)) => {
-                tracing::debug!(%peer, error = %e, "a push stream failed");
-                break;
-            }
-        };
-        let refusal = match PushStep::decode(frame, &limits) {
-            Err(e) => Some((ErrorCode::BadFrame, format!("malformed push: {e}"))),
-            Ok(push) => match check_proof(&peer, &push) {
-                Err(why) => Some((ErrorCode::BadFrame, why)),
-                Ok(()) => {
-                    let pushed = Pushed {
-                        from: peer,
-                        header: push.header,
-                        proof: push.proof,
-                        hidden: push.hidden.to_owned(),
-                    };
-                    inboxes
-                        .deliver(push.token, pushed)
-                        .err()
-                        .map(|why| (ErrorCode::UnknownSession, why))
-                }
-            },
-        };
-        match refusal {
-            None => {
-                refused_in_a_row = 0;
-                metrics.push_received();
-            }
-            Some((code, message)) => {
-                refused_in_a_row += 1;
-                metrics.error_sent(code);
-                tracing::debug!(%peer, %message, "refused a push");
-                let frame = Response::error(code, message).encode();
-                let written =
-                    tokio::time::timeout(Duration::from_secs(2), write_frame(&mut stream, &frame))
-                        .await;
-                if refused_in_a_row >= MAX_BAD_REQUESTS_IN_A_ROW || !matches!(written, Ok(Ok(()))) {
-                    break;
-                }
-            }
-        }
-    }
-    let _ = tokio::time::timeout(Duration::from_secs(2), stream.close()).await;
-}
-
 /// Refuses a push route that names this server or any server twice: a
 /// loop would make one client frame cost a step on every pass.
 pub(crate) fn check_route(this_server: PeerId, route: &[PushTarget]) -> Result<(), String> {
@@ -297,7 +190,7 @@ pub(crate) fn check_route(this_server: PeerId, route: &[PushTarget]) -> Result<(
 /// Whether `push` carries its sender's signature over exactly what it
 /// carries: the session returns the proof to its client, which blames the
 /// session's server for one that does not hold.
-fn check_proof(sender: &PeerId, push: &PushStep<'_>) -> Result<(), String> {
+pub(crate) fn check_proof(sender: &PeerId, push: &PushStep<'_>) -> Result<(), String> {
     let step = PushedStep {
         token: push.token,
         step_id: push.header.step_id,
@@ -315,7 +208,7 @@ fn check_proof(sender: &PeerId, push: &PushStep<'_>) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use corolla_shared::WireDType;
+    use corolla_shared::{Limits, WireDType};
 
     fn pushed() -> Pushed {
         Pushed {

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use corolla_shared::node::NodeHandle;
 
-use crate::admission::Quota;
 use crate::error::ServerError;
 use crate::host::{SpanHost, SpanLoader};
 use crate::host_settings::HostSettings;
 use crate::placement::{best_move, Move};
+use crate::quota::Quota;
 
 /// How long one look at the swarm may take.
 const DISCOVER_TIMEOUT: Duration = Duration::from_secs(5);

@@ -13,6 +13,10 @@ use crate::metrics::ServerMetrics;
 /// Bad requests in a row after which a stream is closed.
 pub(crate) const MAX_BAD_REQUESTS_IN_A_ROW: usize = 3;
 
+/// A stream that sends nothing this long after it opened is closed: idle
+/// streams hold slots, and an honest peer writes at once.
+pub(crate) const FIRST_FRAME_WITHIN: Duration = Duration::from_secs(5);
+
 /// Tells a peer why its stream is not served, briefly, and closes.
 pub(crate) async fn refuse_stream(
     mut stream: Stream,

@@ -10,10 +10,10 @@ use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use tokio::task::JoinHandle;
 
-use crate::admission::Quota;
 use crate::compute::ComputeFigures;
 use crate::host::SpanHost;
 use crate::metrics::ServerMetrics;
+use crate::quota::Quota;
 
 /// How long a leaving server stays reachable after its sessions ended, so
 /// that clients between two steps still read why (and not a closed connection).

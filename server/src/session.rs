@@ -22,14 +22,15 @@ use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::admission::{BudgetFull, Refusal, Reservation, Slot};
+use crate::admission::{BudgetFull, Reservation};
 use crate::compute::{CacheLease, ComputeCore};
 use crate::corruption;
 use crate::error::ComputeError;
 use crate::host_settings::HostSettings;
 use crate::metrics::{ServerMetrics, StepKind};
 use crate::push::{check_route, Inbox, PushLink, Pushed};
-use crate::refuse::MAX_BAD_REQUESTS_IN_A_ROW;
+use crate::quota::{Eviction, Refusal, Slot};
+use crate::refuse::{FIRST_FRAME_WITHIN, MAX_BAD_REQUESTS_IN_A_ROW};
 
 /// What a refusal for want of cache suggests waiting before trying again.
 const RETRY_AFTER: Duration = Duration::from_secs(5);
@@ -88,7 +89,7 @@ struct Session {
     next: Option<PeerId>,
     /// Toward that server, once pushed to.
     push_link: PushLink,
-    _slot: Slot,
+    slot: Slot,
     _reservation: Reservation,
 }
 
@@ -143,6 +144,8 @@ enum Incoming {
     Pushed(Pushed),
     End,
     Idle,
+    /// The stream's or the session's slot went to another source.
+    Evicted,
     ShuttingDown,
     /// Unreadable: the stream is out of sync (`Some`: tell the peer why).
     Broken(Option<String>),
@@ -156,6 +159,17 @@ async fn next_push(session: &mut Option<Session>) -> Pushed {
         }
     }
     std::future::pending().await
+}
+
+/// Completes when the stream's slot or its session's was given away.
+async fn evicted(stream_slot: &Slot, session: Option<Eviction>) {
+    match session {
+        Some(session) => tokio::select! {
+            _ = stream_slot.evicted() => {}
+            _ = session.happened() => {}
+        },
+        None => stream_slot.evicted().await,
+    }
 }
 
 async fn shutting_down(shutdown: &mut watch::Receiver<bool>) {
@@ -187,9 +201,11 @@ pub(crate) async fn serve(
     let mut cut_short = false;
     let mut shutdown = ctx.shutdown.clone();
     let mut control = ctx.settings.control.clone();
-    let mut idle_until = Instant::now() + ctx.settings.idle_timeout;
+    // An idle stream holds a slot: until its session opens, it has seconds.
+    let mut idle_until = Instant::now() + FIRST_FRAME_WITHIN.min(ctx.settings.idle_timeout);
     let mut bad_in_a_row = 0;
     loop {
+        let session_eviction = session.as_ref().map(|s| s.slot.eviction());
         let incoming = tokio::select! {
             read = tokio::time::timeout_at(idle_until, io.reader.next_frame(&mut io.stream)) => match read {
                 Err(_) => Incoming::Idle,
@@ -202,6 +218,7 @@ pub(crate) async fn serve(
                 }
             },
             pushed = next_push(&mut session) => Incoming::Pushed(pushed),
+            _ = evicted(&stream_slot, session_eviction) => Incoming::Evicted,
             _ = shutting_down(&mut shutdown) => Incoming::ShuttingDown,
         };
         let deadline = ctx.write_deadline();
@@ -211,11 +228,23 @@ pub(crate) async fn serve(
             Incoming::Pushed(pushed) => pushed_step = Some(pushed),
             Incoming::End => break,
             Incoming::Idle => {
-                let msg = format!(
-                    "idle (no progress) for {:?}; session closed",
-                    ctx.settings.idle_timeout
-                );
+                let msg = match session {
+                    Some(_) => format!(
+                        "idle (no progress) for {:?}; session closed",
+                        ctx.settings.idle_timeout
+                    ),
+                    None => {
+                        format!("no session opened within {FIRST_FRAME_WITHIN:?}; stream closed")
+                    }
+                };
                 io.send(Err((ErrorCode::Timeout, msg)), deadline).await;
+                cut_short = true;
+                break;
+            }
+            Incoming::Evicted => {
+                let msg = "busy: this server is full and its place went to a client from \
+                           another address; continue elsewhere";
+                io.send(Err((ErrorCode::Busy, msg.into())), deadline).await;
                 cut_short = true;
                 break;
             }
@@ -293,6 +322,10 @@ pub(crate) async fn serve(
             Ok(frame) => {
                 bad_in_a_row = 0;
                 idle_until = Instant::now() + ctx.settings.idle_timeout;
+                stream_slot.progressed();
+                if let Some(s) = &session {
+                    s.slot.progressed();
+                }
                 Ok(frame)
             }
             Err((code, message)) => {
@@ -393,15 +426,19 @@ async fn open_session(
             ),
         ));
     }
-    let slot = ctx.settings.sessions.try_take(peer).map_err(|refusal| {
-        let message = match refusal {
-            Refusal::Full { limit } => format!("busy: {limit}/{limit} sessions in use"),
-            Refusal::PeerFull { limit } => {
-                format!("busy: this peer holds {limit} sessions, the most one peer may hold")
-            }
-        };
-        (ErrorCode::Busy, message)
-    })?;
+    let slot = ctx
+        .settings
+        .sessions
+        .try_take(ctx.settings.holder(peer))
+        .map_err(|refusal| {
+            let message = match refusal {
+                Refusal::Full { limit } => format!("busy: {limit}/{limit} sessions in use"),
+                Refusal::PeerFull { limit } => {
+                    format!("busy: this peer holds {limit} sessions, the most one peer may hold")
+                }
+            };
+            (ErrorCode::Busy, message)
+        })?;
     let reservation = ctx
         .settings
         .cache
@@ -432,7 +469,7 @@ async fn open_session(
         inbox: ctx.settings.pushes.open(),
         next: open.next,
         push_link: PushLink::default(),
-        _slot: slot,
+        slot,
         _reservation: reservation,
     })
 }

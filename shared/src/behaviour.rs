@@ -1,8 +1,9 @@
 //! The libp2p behaviour every Corolla node runs: Kademlia under Corolla's
 //! own protocol name, identify, ping, raw streams for sessions, and the
 //! limits that keep one peer from taking a node's connections: counts per
-//! peer and in total, a memory ceiling (native nodes), and an optional list
-//! of the only peers allowed (a private swarm). Native nodes add the
+//! peer, per source address ([`crate::address_limits`]) and in total, a
+//! memory ceiling (native nodes), and an optional list of the only peers
+//! allowed (a private swarm). Native nodes add the
 //! reachability parts of [`crate::reach`].
 
 use std::collections::HashSet;
@@ -14,6 +15,7 @@ use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{allow_block_list, connection_limits, identify, ping, PeerId};
 
+use crate::address_limits::{AddressCaps, AddressLimits};
 use crate::protocol::{IDENTIFY_PROTOCOL_VERSION, KADEMLIA_PROTOCOL};
 
 /// Refuses connections while the process uses too much memory.
@@ -34,6 +36,7 @@ pub type Reach = libp2p::swarm::dummy::Behaviour;
 pub struct Behaviour {
     pub allowed: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
     pub limits: connection_limits::Behaviour,
+    pub addresses: AddressLimits,
     pub memory: Toggle<MemoryLimit>,
     pub kad: kad::Behaviour<MemoryStore>,
     pub identify: identify::Behaviour,
@@ -51,6 +54,8 @@ pub struct NetworkLimits {
     pub max_established: u32,
     /// Incoming connections still in their handshake.
     pub max_pending_incoming: u32,
+    /// Incoming connections one source address may hold (none: uncounted).
+    pub per_address: Option<AddressCaps>,
     /// New connections are refused while the process uses more than this
     /// share of the machine's memory (native nodes only).
     pub max_memory_fraction: Option<f64>,
@@ -65,6 +70,7 @@ impl NetworkLimits {
             max_per_peer: 8,
             max_established: 512,
             max_pending_incoming: 64,
+            per_address: Some(AddressCaps::share_of(64, 512)),
             max_memory_fraction: Some(0.9),
             allowed_peers: None,
         }
@@ -76,6 +82,7 @@ impl NetworkLimits {
             max_per_peer: 8,
             max_established: 256,
             max_pending_incoming: 16,
+            per_address: None,
             max_memory_fraction: None,
             allowed_peers: None,
         }
@@ -119,6 +126,7 @@ impl Behaviour {
         Behaviour {
             allowed: allowed.into(),
             limits: connection_limits::Behaviour::new(caps),
+            addresses: AddressLimits::new(limits.per_address),
             memory: memory_limit(limits.max_memory_fraction).into(),
             kad: kad::Behaviour::with_config(peer_id, MemoryStore::new(peer_id), config),
             identify: identify::Behaviour::new(identify::Config::new(

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "native")]
 pub mod addr_file;
+pub mod address_limits;
 pub mod behaviour;
 #[cfg(all(feature = "browser", target_arch = "wasm32"))]
 pub mod browser;
@@ -28,6 +29,7 @@ pub mod reach;
 pub mod record;
 pub mod session;
 pub mod session_token;
+pub mod source_address;
 pub mod swarm_report;
 pub mod tensor;
 pub mod time;

@@ -10,12 +10,12 @@ use corolla_shared::protocol::{ErrorCode, INFERENCE_PROTOCOL, INFO_PROTOCOL};
 use futures::{AsyncWriteExt, StreamExt};
 use tokio::task::JoinHandle;
 
-use crate::admission::Quota;
 use crate::error::ServerError;
 use crate::host::SpanHost;
 use crate::host_settings::HostSettings;
 use crate::metrics::ServerMetrics;
-use crate::push::accept_pushes;
+use crate::push_stream::accept_pushes;
+use crate::quota::Quota;
 use crate::refuse::refuse_stream;
 use crate::session::serve;
 
@@ -23,7 +23,7 @@ use crate::session::serve;
 pub(super) fn spawn_acceptors(
     node: &NodeHandle,
     host: &Arc<SpanHost>,
-    settings: &HostSettings,
+    settings: &Arc<HostSettings>,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
     // Streams not yet holding a session cost a little each: a few more
     // than a peer's sessions, a few more than all sessions in total.
@@ -34,15 +34,8 @@ pub(super) fn spawn_acceptors(
     );
     let metrics = &settings.metrics;
     Ok(vec![
-        accept_sessions(node, host.clone(), streams.clone(), metrics.clone())?,
-        accept_pushes(
-            &mut node.control(),
-            settings.pushes.clone(),
-            settings.limits,
-            settings.idle_timeout,
-            streams,
-            metrics.clone(),
-        )?,
+        accept_sessions(node, host.clone(), settings.clone(), streams.clone())?,
+        accept_pushes(settings.clone(), streams)?,
         accept_info(node, host.clone())?,
         tokio::spawn(watch_relay_circuits(node.clone(), metrics.clone())),
     ])
@@ -51,9 +44,10 @@ pub(super) fn spawn_acceptors(
 fn accept_sessions(
     handle: &NodeHandle,
     host: Arc<SpanHost>,
+    settings: Arc<HostSettings>,
     streams: Arc<Quota>,
-    metrics: ServerMetrics,
 ) -> Result<JoinHandle<()>, ServerError> {
+    let metrics = settings.metrics.clone();
     let mut incoming = handle
         .control()
         .accept(INFERENCE_PROTOCOL)
@@ -64,7 +58,7 @@ fn accept_sessions(
         loop {
             tokio::select! {
                 next = incoming.next() => match next {
-                    Some((peer, stream)) => match (host.ctx(), streams.try_take(peer)) {
+                    Some((peer, stream)) => match (host.ctx(), streams.try_take(settings.holder(peer))) {
                         (Some(ctx), Ok(slot)) => {
                             sessions.spawn(serve(stream, peer, ctx, slot));
                         }

@@ -10,11 +10,12 @@ use libp2p::PeerId;
 
 use super::blocks::OpenedModel;
 use super::swarm::JoinedSwarm;
-use crate::admission::{CacheBudget, Quota};
+use crate::admission::CacheBudget;
 use crate::config::{BalanceQuality, ServerArgs};
 use crate::host::LoadedSpan;
 use crate::host_settings::HostSettings;
 use crate::push::PushInboxes;
+use crate::quota::Quota;
 
 pub(super) fn host_settings(
     args: &ServerArgs,
@@ -83,6 +84,7 @@ pub(super) fn host_settings(
         peer_id: swarm.node.peer_id(),
         identity: swarm.identity.clone(),
         metrics: swarm.metrics.clone(),
+        sources: swarm.sources.clone(),
     });
     swarm
         .metrics

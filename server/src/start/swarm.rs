@@ -7,10 +7,12 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use corolla_shared::address_limits::AddressCaps;
 use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::native;
 use corolla_shared::node::{Node, NodeEvent, NodeHandle};
 use corolla_shared::peers::parse_peer_list;
+use corolla_shared::source_address::PeerSources;
 use futures::channel::mpsc::UnboundedReceiver;
 use futures::StreamExt;
 use libp2p::core::transport::ListenerId;
@@ -39,6 +41,8 @@ pub(super) struct JoinedSwarm {
     pub tls: Option<Arc<TlsIdentity>>,
     /// The server's key (its peer id's), which signs its pushes.
     pub identity: libp2p::identity::Keypair,
+    /// Where each connected peer comes from, for admission per address.
+    pub sources: PeerSources,
 }
 
 impl JoinedSwarm {
@@ -58,10 +62,16 @@ impl JoinedSwarm {
             webrtc: certificate,
             websocket_tls: tls.as_ref().map(|t| t.websocket()).transpose()?,
         };
+        let defaults = NetworkLimits::server();
+        let max_established = args.max_connections.max(1);
         let limits = NetworkLimits {
             max_per_peer: args.max_connections_per_peer.max(1),
-            max_established: args.max_connections.max(1),
-            ..NetworkLimits::server()
+            max_established,
+            per_address: Some(AddressCaps::share_of(
+                defaults.max_pending_incoming,
+                max_established,
+            )),
+            ..defaults
         }
         .with_allowed_peers(allowed_peers.clone());
         // libp2p's byte counts per transport go into the registry `/metrics` serves.
@@ -76,6 +86,7 @@ impl JoinedSwarm {
         )
         .await
         .map_err(|e| ServerError::Network(e.to_string()))?;
+        let sources = swarm.behaviour().addresses.sources();
         let (mut node, handle, events) = Node::new(swarm);
         node.record_metrics(&mut registry);
         let metrics = ServerMetrics::new(registry);
@@ -104,6 +115,7 @@ impl JoinedSwarm {
             metrics,
             tls,
             identity: keypair,
+            sources,
         })
     }
 }
