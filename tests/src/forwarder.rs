@@ -1,6 +1,8 @@
 //! A TCP forwarder between a test's client and a server, in one of two
 //! modes. Cutting: every connection is closed after a number of bytes
-//! towards the client (a dropped connection mid-download, on demand).
+//! towards the client (a dropped connection mid-download, on demand), or
+//! never, with the server seeing it come from a chosen loopback address
+//! (many clients behind one address, on one machine).
 //! Delaying: every chunk is delivered a set time after it was read, with
 //! jitter and loss-like stalls (a slow link, since this machine's kernel
 //! has no netem). Plain threads, so it works for any protocol on top
@@ -8,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -97,7 +99,10 @@ impl SplitMix {
 
 #[derive(Clone)]
 enum Mode {
-    Cut(Option<u64>),
+    Cut {
+        cut_after: Option<u64>,
+        source: Option<IpAddr>,
+    },
     Delay(Arc<LinkShape>),
 }
 
@@ -130,7 +135,24 @@ impl Forwarder {
         Self::listen(
             SocketAddr::from(([127, 0, 0, 1], 0)),
             target,
-            Mode::Cut(cut_after),
+            Mode::Cut {
+                cut_after,
+                source: None,
+            },
+        )
+    }
+
+    /// Forwards `127.0.0.1:<any port>` to `target` from `source` (any
+    /// address of this host: every `127.x.y.z` is one): the target sees
+    /// each connection come from there.
+    pub fn from_source(source: IpAddr, target: SocketAddr) -> io::Result<Forwarder> {
+        Self::listen(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            target,
+            Mode::Cut {
+                cut_after: None,
+                source: Some(source),
+            },
         )
     }
 
@@ -150,7 +172,7 @@ impl Forwarder {
         let shared = Arc::new(Shared::default());
         let shape = match &mode {
             Mode::Delay(shape) => Some(shape.clone()),
-            Mode::Cut(_) => None,
+            Mode::Cut { .. } => None,
         };
         let accept = {
             let shared = shared.clone();
@@ -164,7 +186,9 @@ impl Forwarder {
                     std::thread::spawn(move || {
                         let id = shared.connections.fetch_add(1, Ordering::SeqCst);
                         let done = match mode {
-                            Mode::Cut(cut_after) => forward(client, target, cut_after, &shared, id),
+                            Mode::Cut { cut_after, source } => {
+                                forward(client, target, source, cut_after, &shared, id)
+                            }
                             Mode::Delay(shape) => {
                                 forward_delayed(client, target, shape, &shared, id)
                             }
@@ -258,14 +282,28 @@ fn register(shared: &Shared, id: usize, [a, b]: [&TcpStream; 2]) -> io::Result<(
     Ok(())
 }
 
+/// A TCP connection to `target` leaving from `source` (port chosen by the
+/// kernel).
+pub fn connect_from(source: IpAddr, target: SocketAddr) -> io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(target), Type::STREAM, None)?;
+    socket.bind(&SocketAddr::new(source, 0).into())?;
+    socket.connect(&target.into())?;
+    Ok(socket.into())
+}
+
 fn forward(
     client: TcpStream,
     target: SocketAddr,
+    source: Option<IpAddr>,
     cut_after: Option<u64>,
     shared: &Arc<Shared>,
     id: usize,
 ) -> io::Result<()> {
-    let server = TcpStream::connect(target)?;
+    let server = match source {
+        Some(source) => connect_from(source, target)?,
+        None => TcpStream::connect(target)?,
+    };
     register(shared, id, [&client, &server])?;
     let (mut client_in, mut server_out) = (client.try_clone()?, server.try_clone()?);
     let up = {

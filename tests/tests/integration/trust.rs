@@ -10,77 +10,24 @@ use std::time::{Duration, Instant};
 use corolla_client::network::{connect, connect_with};
 use corolla_client::spot_check::Referee;
 use corolla_client::swarm_view::SwarmView;
-use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
-use corolla_model::fingerprint::{block_hashes, span_hash};
+use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain};
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
-use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
+use corolla_model::{Checkpoint, DType, Device};
 use corolla_server::RunningServer;
 use corolla_shared::node::{server_dht_key, NodeHandle};
-use corolla_shared::protocol::{encode_step, ErrorCode, OpenRequest, Request};
+use corolla_shared::protocol::{encode_step, ErrorCode};
 use corolla_shared::session::fetch_info;
-use corolla_shared::WireDType;
 use corolla_tests::hostile::{
     exchange, forge_record, hidden_payload, lying_server, open_stream, read_reply,
     resident_memory_bytes, Lie,
 };
 use corolla_tests::{start_model_server, start_server, tiny_llama};
+
+use super::tiny_reference::{
+    client_of, expected_hashes, open_frame, request, sessions_in_use, settings, swarm_tokens,
+    Reference, MODEL,
+};
 use futures::AsyncWriteExt;
-
-const MODEL: &str = "tiny-llama-a";
-const NEW_TOKENS: usize = 12;
-
-fn expected_hashes() -> Vec<String> {
-    block_hashes(&Checkpoint::open(tiny_llama()).unwrap(), 0, 4).unwrap()
-}
-
-fn settings(max_length: usize) -> SessionSettings {
-    let mut s = SessionSettings::new(MODEL, 4, max_length, WireDType::F32);
-    s.expected_blocks = Some(expected_hashes());
-    s.timeout = Duration::from_secs(10);
-    s.discovery_timeout = Duration::from_secs(10);
-    s
-}
-
-fn request(seed: u64) -> GenerateRequest {
-    GenerateRequest {
-        prompt_ids: vec![1, 5 + seed as u32 % 40, 17, 3, 9],
-        max_new_tokens: NEW_TOKENS,
-        sampling: SamplingParams {
-            temperature: 0.8,
-            seed,
-            ..Default::default()
-        },
-        stop_at_eos: false,
-        drafts: corolla_client::DEFAULT_DRAFTS,
-    }
-}
-
-/// The whole model in this process: what every honest answer must equal.
-struct Reference {
-    head: ClientHead,
-    spans: Vec<BlockSpan>,
-}
-
-impl Reference {
-    fn load() -> Self {
-        let ck = Checkpoint::open(tiny_llama()).unwrap();
-        Reference {
-            head: ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap(),
-            spans: vec![BlockSpan::load(&ck, 0, 4, DType::F32, &Device::Cpu).unwrap()],
-        }
-    }
-
-    async fn tokens(&self, seed: u64) -> Vec<u32> {
-        let req = request(seed);
-        let mut chain = LocalChain::new(&self.spans, req.max_length()).unwrap();
-        generate(&self.head, &mut chain, &req, |_| {
-            std::ops::ControlFlow::Continue(())
-        })
-        .await
-        .unwrap()
-        .generated_ids
-    }
-}
 
 /// Waits (at most 15 s) until the DHT lists `count` servers of the model.
 async fn until_servers(node: &NodeHandle, count: usize) {
@@ -164,55 +111,6 @@ impl ReplicaLiar {
             s.shutdown();
         }
     }
-}
-
-async fn swarm_tokens(
-    reference: &Reference,
-    node: &NodeHandle,
-    settings: SessionSettings,
-    seed: u64,
-) -> (Vec<u32>, RemoteChain) {
-    let mut chain = RemoteChain::connect(node, settings, &Device::Cpu)
-        .await
-        .unwrap();
-    let out = generate(&reference.head, &mut chain, &request(seed), |_| {
-        std::ops::ControlFlow::Continue(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-    (out.generated_ids, chain)
-}
-
-fn open_frame(max_length: u32, flow_window: u32) -> Vec<u8> {
-    Request::Open(OpenRequest {
-        model: MODEL.into(),
-        fingerprint: span_hash(&expected_hashes()),
-        start: 0,
-        end: 4,
-        max_length,
-        dtype: WireDType::F32,
-        compression: corolla_shared::Compression::None,
-        flow_window,
-        next: None,
-    })
-    .encode()
-}
-
-async fn sessions_in_use(watcher: &NodeHandle, server: &RunningServer) -> u32 {
-    fetch_info(
-        &mut watcher.control(),
-        server.peer_id(),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap()
-    .sessions
-}
-
-async fn client_of(server: &RunningServer) -> NodeHandle {
-    connect(&[server.tcp_addr().unwrap().clone()])
-        .await
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

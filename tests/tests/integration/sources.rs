@@ -1,0 +1,163 @@
+//! Attacks by a crowd of identities behind one address: every `127.x.y.z`
+//! is this machine, so the crowd comes from 127.66.0.1 (raw sockets bound
+//! to it, or libp2p clients through a forwarder that connects from it) and
+//! the honest client from 127.0.0.1, another network. Peer ids are free;
+//! the server's handshake, connection, session and stream slots are shared
+//! per source address, so the honest client is still served.
+
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use corolla_client::network::connect;
+use corolla_shared::node::NodeHandle;
+use corolla_shared::protocol::ErrorCode;
+use corolla_tests::forwarder::{connect_from, Forwarder};
+use corolla_tests::hostile::{exchange, open_stream, read_reply};
+use corolla_tests::start_server;
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, Stream};
+
+use super::tiny_reference::{client_of, open_frame, settings, swarm_tokens, Reference};
+
+/// Where the crowd comes from: another /24 than 127.0.0.1's.
+const CROWD: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(127, 66, 0, 1));
+
+fn socket_of(addr: &Multiaddr) -> SocketAddr {
+    let mut ip = None;
+    let mut port = None;
+    for p in addr.iter() {
+        match p {
+            Protocol::Ip4(v4) => ip = Some(IpAddr::V4(v4)),
+            Protocol::Tcp(p) => port = Some(p),
+            _ => {}
+        }
+    }
+    SocketAddr::new(ip.expect("an IPv4 address"), port.expect("a TCP port"))
+}
+
+/// A new identity of the crowd, connected (or refused) through `via`.
+async fn crowd_member(via: &Forwarder, server: &libp2p::PeerId) -> Option<NodeHandle> {
+    let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{}/p2p/{server}", via.addr().port())
+        .parse()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), connect(&[addr]))
+        .await
+        .ok()?
+        .ok()
+}
+
+/// Opens a session on `server` for `node`: the stream and the reply, when
+/// the node's connection carried one.
+async fn try_open(
+    node: &NodeHandle,
+    server: libp2p::PeerId,
+) -> Option<(Stream, Option<ErrorCode>)> {
+    let mut stream = tokio::time::timeout(
+        Duration::from_secs(5),
+        node.control()
+            .open_stream(server, corolla_shared::protocol::INFERENCE_PROTOCOL),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let (code, _) = exchange(&mut stream, &open_frame(64, 0)).await?;
+    Some((stream, code))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_of_identities_from_one_address_leaves_the_server_to_others() {
+    let reference = Reference::load();
+    // 48 connections: one host may hold 6 and be in 16 handshakes at once.
+    let server = start_server(
+        "0:4",
+        None,
+        &[
+            "--max-sessions",
+            "4",
+            "--max-sessions-per-peer",
+            "1",
+            "--max-connections",
+            "48",
+        ],
+    )
+    .await;
+    let peer = server.peer_id();
+    let target = socket_of(server.tcp_addr().unwrap());
+
+    // 1. Handshakes: 70 silent sockets from one host would hold all 64
+    // pending-handshake slots; it gets 16, and the honest client gets in.
+    let silent: Vec<TcpStream> = (0..70)
+        .map(|_| connect_from(CROWD, target).expect("a socket from the crowd's address"))
+        .collect();
+    let honest = client_of(&server).await;
+    let (tokens, chain) = swarm_tokens(&reference, &honest, settings(64), 1).await;
+    assert_eq!(tokens, reference.tokens(1).await);
+    chain.close().await;
+    drop(silent);
+
+    // 2. Connections: ten identities from one host; six stay connected.
+    let via = Forwarder::from_source(CROWD, target).unwrap();
+    let mut connected = Vec::new();
+    let mut held = Vec::new();
+    let mut busy = 0;
+    for _ in 0..10 {
+        let Some(node) = crowd_member(&via, &peer).await else {
+            continue;
+        };
+        if let Some((stream, code)) = try_open(&node, peer).await {
+            match code {
+                None => held.push(stream),
+                Some(ErrorCode::Busy) => busy += 1,
+                Some(other) => panic!("an Open refused with {other:?}"),
+            }
+            connected.push(node);
+        }
+    }
+    assert_eq!(
+        connected.len(),
+        6,
+        "identities from one host with a connection: the cap is 48/8"
+    );
+    // 3. Sessions: the crowd filled all four while nobody else asked...
+    assert_eq!((held.len(), busy), (4, 2));
+    // ...and the honest client still gets one: the crowd's network gives up
+    // the session idle longest, and is told why.
+    let started = Instant::now();
+    let (tokens, chain) = swarm_tokens(&reference, &honest, settings(64), 2).await;
+    assert_eq!(tokens, reference.tokens(2).await);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    chain.close().await;
+    let mut evicted = 0;
+    for stream in &mut held {
+        if let Some((Some(ErrorCode::Busy), message)) =
+            read_reply(stream, Duration::from_millis(200)).await
+        {
+            assert!(message.contains("another address"), "{message}");
+            evicted += 1;
+        }
+    }
+    assert_eq!(evicted, 1, "one crowd session made room");
+
+    // 4. Idle streams: a stream that never sends a byte is closed in
+    // seconds, not at the 300 s session timeout.
+    let member = &connected[0];
+    let mut idle = vec![
+        open_stream(member, peer).await,
+        open_stream(member, peer).await,
+    ];
+    let started = Instant::now();
+    for stream in &mut idle {
+        let reply = read_reply(stream, Duration::from_secs(10)).await;
+        assert!(
+            matches!(&reply, Some((Some(ErrorCode::Timeout), m)) if m.contains("no session opened")),
+            "{reply:?}"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(via);
+    server.shutdown();
+}
