@@ -44,6 +44,10 @@ pub struct RouteCosts {
     /// a server ran, in seconds, by peer id: once known, it replaces what the
     /// server announced (and its round trip, which it includes).
     pub measured_step: HashMap<String, f64>,
+    /// Seconds added to a server's cost because it is reached at the same
+    /// address (host) as a server that failed this client lately: a crowd
+    /// of fakes from one machine is tried once, not once per identity.
+    pub suspicion: HashMap<String, f64>,
 }
 
 /// Assumed round trip for a server not measured yet.
@@ -72,7 +76,7 @@ impl RouteCosts {
         } else {
             0.0
         };
-        expected + penalty
+        expected + penalty + self.suspicion.get(&r.peer_id).copied().unwrap_or(0.0)
     }
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use corolla_shared::node::NodeHandle;
 use corolla_shared::session::fetch_info;
+use corolla_shared::source_address::AddressGroup;
 use corolla_shared::{ErrorKind, ServerRecord};
 use libp2p::{Multiaddr, PeerId};
 use web_time::Instant;
@@ -35,6 +36,10 @@ const MAX_PINGED: usize = 16;
 /// The first ban lasts `2 × BAN_BASE`; each further failure doubles it.
 const BAN_BASE: Duration = Duration::from_secs(2);
 const BAN_MAX: Duration = Duration::from_secs(300);
+/// Seconds per step added to the cost of servers reached at a host where a
+/// server failed, for each such failure while its ban lasts: any server
+/// elsewhere that is not far slower goes first.
+const SUSPECT_HOST_PENALTY: f64 = 10.0;
 
 /// Which servers of which model a client uses (from [`SessionSettings`]).
 #[derive(Debug, Clone)]
@@ -66,6 +71,8 @@ struct ViewState {
     last_failure: HashMap<String, (ErrorKind, String)>,
     /// Peer id -> (failures so far, banned until).
     bans: HashMap<String, (u32, Instant)>,
+    /// Hosts this client reached failed servers at -> (failures, suspect until).
+    failed_hosts: HashMap<AddressGroup, (u32, Instant)>,
     /// Spot checks each server's output passed, by peer id: a server this
     /// client has seldom checked is checked more often.
     clean_checks: HashMap<String, u32>,
@@ -300,8 +307,10 @@ impl SwarmView {
 
     /// What the router knows now: round trips and measured step times.
     fn costs(&self, max_length: usize) -> RouteCosts {
+        let suspicion = self.suspicion();
         let state = self.state();
         RouteCosts {
+            suspicion,
             rtt: state.rtt.clone(),
             max_length,
             measured_step: state.step_per_block.clone(),
@@ -435,19 +444,47 @@ impl SwarmView {
 
     /// Bans `peer` with exponential backoff (4 s, 8 s, … at most 5 min) and
     /// refreshes the view in the background: it may have left the swarm.
+    /// The host this client reaches it at becomes suspect for as long (see
+    /// [`SUSPECT_HOST_PENALTY`]).
     pub fn ban(&self, peer: &str) {
+        let host = self.host_of(peer);
         {
             let mut state = self.state();
-            let entry = state
-                .bans
-                .entry(peer.to_string())
-                .or_insert((0, Instant::now()));
-            entry.0 += 1;
-            let backoff = BAN_BASE.saturating_mul(1 << entry.0.min(8)).min(BAN_MAX);
-            entry.1 = Instant::now() + backoff;
-            tracing::debug!(%peer, ?backoff, "server banned");
+            let lasts = backoff(state.bans.entry(peer.to_string()));
+            tracing::debug!(%peer, ?lasts, "server banned");
+            if let Some(host) = host {
+                backoff(state.failed_hosts.entry(host));
+            }
         }
         self.refresh_in_background();
+    }
+
+    /// The host `peer` is connected at now, if it is.
+    fn host_of(&self, peer: &str) -> Option<AddressGroup> {
+        let peer: PeerId = peer.parse().ok()?;
+        self.shared.node.sources().of(&peer).map(AddressGroup::host)
+    }
+
+    /// Each usable server's penalty for sharing a host with failed servers.
+    fn suspicion(&self) -> HashMap<String, f64> {
+        let now = Instant::now();
+        let suspect: HashMap<AddressGroup, u32> = self
+            .state()
+            .failed_hosts
+            .iter()
+            .filter(|(_, (_, until))| now < *until)
+            .map(|(host, (failures, _))| (*host, *failures))
+            .collect();
+        if suspect.is_empty() {
+            return HashMap::new();
+        }
+        self.usable_servers()
+            .into_iter()
+            .filter_map(|r| {
+                let failures = suspect.get(&self.host_of(&r.peer_id)?)?;
+                Some((r.peer_id, SUSPECT_HOST_PENALTY * f64::from(*failures)))
+            })
+            .collect()
     }
 
     pub fn is_banned(&self, peer: &str) -> bool {
@@ -465,6 +502,18 @@ impl SwarmView {
         let count = state.clean_checks.entry(peer.to_string()).or_insert(0);
         *count = count.saturating_add(1);
     }
+}
+
+/// Counts one more failure of an entry and extends its end with
+/// exponential backoff; returns how long it lasts.
+fn backoff<K: std::hash::Hash + Eq>(
+    entry: std::collections::hash_map::Entry<'_, K, (u32, Instant)>,
+) -> Duration {
+    let entry = entry.or_insert((0, Instant::now()));
+    entry.0 += 1;
+    let backoff = BAN_BASE.saturating_mul(1 << entry.0.min(8)).min(BAN_MAX);
+    entry.1 = Instant::now() + backoff;
+    backoff
 }
 
 /// What a crowd of failures amounts to: busy when any server was (asking

@@ -2,6 +2,7 @@
 //! streams with chosen frames, forged DHT records, and a fake server that
 //! copies an honest server's record, claims to be fast and returns lies.
 
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use corolla_model::wire::to_payload;
@@ -131,13 +132,15 @@ pub enum Lie {
     ExtraPosition,
     /// Another hidden size.
     WrongHiddenSize,
+    /// No step at all: every Open is refused as busy.
+    Busy,
 }
 
 fn lie_about(lie: Lie, input: &TensorPayload) -> TensorPayload {
     let (t, h) = (input.shape[1], input.shape[2]);
     let f32s = |n: usize, v: f32| v.to_le_bytes().repeat(n);
     let (shape, data) = match lie {
-        Lie::NotANumber => (vec![1, t, h], f32s(t * h, f32::NAN)),
+        Lie::NotANumber | Lie::Busy => (vec![1, t, h], f32s(t * h, f32::NAN)),
         Lie::Infinity => {
             let mut d = f32s(t * h, 0.5);
             d[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
@@ -157,11 +160,26 @@ pub async fn lying_server(
     honest: &ServerRecord,
     lie: Lie,
 ) -> (PeerId, tokio::task::JoinHandle<()>) {
+    lying_server_at(Ipv4Addr::LOCALHOST, bootstrap, honest, lie).await
+}
+
+/// [`lying_server`] listening at `ip` (any `127.x.y.z` is this machine):
+/// many of them at one address are a crowd from one host.
+pub async fn lying_server_at(
+    ip: Ipv4Addr,
+    bootstrap: &Multiaddr,
+    honest: &ServerRecord,
+    lie: Lie,
+) -> (PeerId, tokio::task::JoinHandle<()>) {
     let (key, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
     let (mut node, handle, mut events) = Node::new(swarm);
     node.serve_dht(None, key);
     node.swarm_mut()
-        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .listen_on(
+            Multiaddr::empty()
+                .with(Protocol::Ip4(ip))
+                .with(Protocol::Tcp(0)),
+        )
         .unwrap();
     let (boot, base) = split_peer(bootstrap).expect("an address with a peer id");
     node.swarm_mut()
@@ -218,6 +236,9 @@ async fn serve_lies(mut stream: Stream, lie: Lie) {
     let mut buf = Vec::new();
     while let Ok(true) = read_frame(&mut stream, 64 << 20, &mut buf).await {
         let reply = match Request::decode(&buf, &Limits::DEFAULT) {
+            Ok(Request::Open(_)) if lie == Lie::Busy => {
+                Response::error(ErrorCode::Busy, "busy: 16/16 sessions in use").encode()
+            }
             Ok(Request::Open(open)) => Response::Opened {
                 max_length: open.max_length,
                 token: SessionToken([7; 16]),

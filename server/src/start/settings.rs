@@ -84,7 +84,7 @@ pub(super) fn host_settings(
         peer_id: swarm.node.peer_id(),
         identity: swarm.identity.clone(),
         metrics: swarm.metrics.clone(),
-        sources: swarm.sources.clone(),
+        sources: swarm.node.sources().clone(),
     });
     swarm
         .metrics

@@ -12,7 +12,6 @@ use corolla_shared::behaviour::NetworkLimits;
 use corolla_shared::native;
 use corolla_shared::node::{Node, NodeEvent, NodeHandle};
 use corolla_shared::peers::parse_peer_list;
-use corolla_shared::source_address::PeerSources;
 use futures::channel::mpsc::UnboundedReceiver;
 use futures::StreamExt;
 use libp2p::core::transport::ListenerId;
@@ -41,8 +40,6 @@ pub(super) struct JoinedSwarm {
     pub tls: Option<Arc<TlsIdentity>>,
     /// The server's key (its peer id's), which signs its pushes.
     pub identity: libp2p::identity::Keypair,
-    /// Where each connected peer comes from, for admission per address.
-    pub sources: PeerSources,
 }
 
 impl JoinedSwarm {
@@ -86,7 +83,6 @@ impl JoinedSwarm {
         )
         .await
         .map_err(|e| ServerError::Network(e.to_string()))?;
-        let sources = swarm.behaviour().addresses.sources();
         let (mut node, handle, events) = Node::new(swarm);
         node.record_metrics(&mut registry);
         let metrics = ServerMetrics::new(registry);
@@ -115,7 +111,6 @@ impl JoinedSwarm {
             metrics,
             tls,
             identity: keypair,
-            sources,
         })
     }
 }

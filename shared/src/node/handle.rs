@@ -12,6 +12,7 @@ use super::addresses::dialable_addresses;
 use super::{Announcement, Command, NodeError, ReachReport, Via};
 use crate::protocol::model_dht_key;
 use crate::record::ServerRecord;
+use crate::source_address::PeerSources;
 use crate::time::with_timeout;
 
 /// Cheap to clone; the loop stops when every handle is gone.
@@ -20,6 +21,7 @@ pub struct NodeHandle {
     pub(super) peer_id: PeerId,
     pub(super) commands: mpsc::Sender<Command>,
     pub(super) control: libp2p_stream::Control,
+    pub(super) sources: PeerSources,
 }
 
 impl NodeHandle {
@@ -29,6 +31,12 @@ impl NodeHandle {
 
     pub fn control(&self) -> libp2p_stream::Control {
         self.control.clone()
+    }
+
+    /// Where each connected peer's connection goes to or comes from (see
+    /// [`crate::source_address`]): facts, unlike the addresses a record claims.
+    pub fn sources(&self) -> &PeerSources {
+        &self.sources
     }
 
     async fn send(&self, command: Command) -> Result<(), NodeError> {

@@ -193,6 +193,7 @@ impl Node {
             peer_id: *swarm.local_peer_id(),
             commands: tx,
             control: swarm.behaviour_mut().stream.new_control(),
+            sources: swarm.behaviour().addresses.sources(),
         };
         let node = Node {
             swarm,
