@@ -62,7 +62,7 @@ impl RouteCosts {
     }
 
     /// Expected seconds per step for running blocks `start..end` on `r`.
-    fn hop_cost(&self, r: &ServerRecord, start: usize, end: usize) -> f64 {
+    pub(crate) fn hop_cost(&self, r: &ServerRecord, start: usize, end: usize) -> f64 {
         let expected = match self.measured_step.get(&r.peer_id) {
             Some(per_block) => per_block * (end - start) as f64,
             None => {

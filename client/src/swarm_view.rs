@@ -343,6 +343,27 @@ impl SwarmView {
         }
     }
 
+    /// Seconds a decode step of `hop`'s blocks takes on its server, as this
+    /// client measured it (a moving average), if it did.
+    pub fn measured_seconds(&self, hop: &Hop) -> Option<f64> {
+        let per_block = *self.state().step_per_block.get(&hop.peer_id)?;
+        Some(per_block * (hop.end - hop.start) as f64)
+    }
+
+    /// Seconds a decode step through `route` is expected to take: what
+    /// route planning compares (measured, else announced, speeds).
+    pub fn expected_seconds(&self, route: &[Hop], max_length: usize) -> f64 {
+        let costs = self.costs(max_length);
+        let state = self.state();
+        route
+            .iter()
+            .filter_map(|hop| {
+                let record = state.records.iter().find(|r| r.peer_id == hop.peer_id)?;
+                Some(costs.hop_cost(record, hop.start, hop.end))
+            })
+            .sum()
+    }
+
     /// Folds a measured decode step of `blocks` blocks on `peer` into its average.
     pub fn record_step(&self, peer: &str, seconds: f64, blocks: usize) {
         let per_block = seconds / blocks.max(1) as f64;

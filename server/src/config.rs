@@ -248,6 +248,11 @@ pub struct ServerArgs {
     /// the pusher and never the server after it.
     #[arg(long, env = "COROLLA_CORRUPT_PUSHES", default_value_t = 0.0, value_parser = parse_rate)]
     pub corrupt_pushes: f64,
+    /// TESTING AID, never for a real swarm: answer every step this many
+    /// milliseconds late without counting it in the announced speed (a
+    /// server slower than it claims), to test that clients leave it.
+    #[arg(long, env = "COROLLA_LATE_STEPS_MS", default_value_t = 0)]
+    pub late_steps_ms: u64,
     /// Prefill positions computed at a time between decode batches, so one
     /// long prompt does not stall every other session (0: no limit).
     #[arg(long, env = "COROLLA_MAX_CHUNK_TOKENS", default_value_t = 256)]

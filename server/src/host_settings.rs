@@ -29,6 +29,8 @@ pub(crate) struct HostSettings {
     pub corrupt_outputs: f64,
     /// `--corrupt-pushes` (a testing aid).
     pub corrupt_pushes: f64,
+    /// `--late-steps-ms` (a testing aid).
+    pub late_steps: Duration,
     pub compute: ComputeSettings,
     pub update_period: Duration,
     /// Every session's push inbox; one registry whichever span is hosted.

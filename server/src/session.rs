@@ -604,8 +604,9 @@ async fn compute_step(
         Err(e) => return (Some(s), Err((ErrorCode::BadShape, e.to_string()))),
     };
     let positions = hidden.shape[1];
-    if !ctx.settings.step_delay.is_zero() {
-        tokio::time::sleep(ctx.settings.step_delay).await;
+    let delay = ctx.settings.step_delay + ctx.settings.late_steps;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
     let corrupt =
         ctx.settings.corrupt_outputs > 0.0 && rand::random::<f64>() < ctx.settings.corrupt_outputs;

@@ -18,6 +18,8 @@ pub(super) struct HopState {
     /// Spot checks' independent computation of these blocks, and how many
     /// entries of `history` it has been fed.
     pub(super) witness: Option<(Witness, usize)>,
+    /// Steps in a row on which a server of this hop was late (see `slow.rs`).
+    pub(super) slow_strikes: u32,
 }
 
 impl HopState {
@@ -28,6 +30,7 @@ impl HopState {
             sessions: vec![(hop, session)],
             history: Vec::new(),
             witness: None,
+            slow_strikes: 0,
         }
     }
 

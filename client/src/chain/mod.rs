@@ -12,6 +12,7 @@ mod audit;
 mod hop;
 mod push;
 mod recovery;
+mod slow;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -360,6 +361,7 @@ impl BlockChain for RemoteChain {
                 }
             }
         }
+        self.leave_slow_servers(start).await;
         self.steps += 1;
         self.last_step_at = Instant::now();
         // The wire may be narrower than the compute dtype (f16 by default).

@@ -48,6 +48,12 @@ pub(super) fn host_settings(
         mib = (cache_tokens as u64).saturating_mul(cache_bytes_per_token as u64) >> 20,
         "KV-cache budget"
     );
+    if args.late_steps_ms > 0 {
+        tracing::warn!(
+            ms = args.late_steps_ms,
+            "--late-steps-ms: this server answers late on purpose, slower than it announces (a testing aid)"
+        );
+    }
     if args.corrupt_pushes > 0.0 {
         tracing::warn!(
             rate = args.corrupt_pushes,
@@ -77,6 +83,7 @@ pub(super) fn host_settings(
         cache: CacheBudget::new(cache_tokens),
         corrupt_outputs: args.corrupt_outputs,
         corrupt_pushes: args.corrupt_pushes,
+        late_steps: Duration::from_millis(args.late_steps_ms),
         compute: args.compute_settings(),
         update_period: args.update_period,
         pushes: Arc::new(PushInboxes::default()),

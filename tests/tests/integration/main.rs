@@ -26,6 +26,7 @@ mod http;
 mod metrics;
 mod monitor;
 mod protocol;
+mod routing;
 mod sources;
 mod structure;
 mod swarm;

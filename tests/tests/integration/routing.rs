@@ -1,0 +1,113 @@
+//! Routing around servers that fail a client: a crowd of fakes on one host
+//! costs one try (the host becomes suspect, not just the identity), and a
+//! server that answers correctly but far slower than it claims is left
+//! within a few steps.
+
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use corolla_client::network::connect;
+use corolla_shared::session::fetch_info;
+use corolla_tests::hostile::{lying_server_at, Lie};
+use corolla_tests::start_server;
+
+use super::tiny_reference::{client_of, settings, swarm_tokens, Reference, MODEL, NEW_TOKENS};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
+    let reference = Reference::load();
+    let server = start_server(
+        "0:4",
+        None,
+        &["--update-period", "1s", "--step-delay-ms", "5"],
+    )
+    .await;
+    let boot = server.tcp_addr().unwrap().clone();
+    let watcher = client_of(&server).await;
+    let honest = fetch_info(
+        &mut watcher.control(),
+        server.peer_id(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    // Ten copies of the honest record at a billion tokens per second, all
+    // at 127.66.0.1: ten refusing every Open, then ten answering NaN. The
+    // client has 8 retries; before, it spent them all on the crowd.
+    for (seed, lie) in [Lie::Busy, Lie::NotANumber].into_iter().enumerate() {
+        let mut crowd = Vec::new();
+        for _ in 0..10 {
+            crowd.push(lying_server_at(Ipv4Addr::new(127, 66, 0, 1), &boot, &honest, lie).await);
+        }
+        let fakes: Vec<String> = crowd.iter().map(|(peer, _)| peer.to_string()).collect();
+        let node = connect(std::slice::from_ref(&boot)).await.unwrap();
+        let started = Instant::now();
+        while node
+            .discover(MODEL, Duration::from_secs(2))
+            .await
+            .unwrap()
+            .iter()
+            .filter(|r| fakes.contains(&r.peer_id))
+            .count()
+            < fakes.len()
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "fakes not announced"
+            );
+        }
+        let (tokens, chain) = swarm_tokens(&reference, &node, settings(64), seed as u64).await;
+        assert_eq!(tokens, reference.tokens(seed as u64).await, "{lie:?}");
+        assert!(
+            chain
+                .route()
+                .iter()
+                .all(|h| h.peer_id == server.peer_id().to_string()),
+            "{lie:?}"
+        );
+        // A NaN fake is a recovery; a busy one never opened a session.
+        let failed = chain.recoveries().len();
+        assert!(failed <= 1, "{lie:?}: {failed} recoveries");
+        chain.close().await;
+        for (_, task) in crowd {
+            task.abort();
+        }
+    }
+    server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_slower_than_it_claims_is_left_within_a_few_steps() {
+    let reference = Reference::load();
+    // The honest server announces its 5 ms step delay; the late one
+    // announces its real speed but answers every step 1.5 s late.
+    let honest = start_server("0:4", None, &["--step-delay-ms", "5"]).await;
+    let boot = honest.tcp_addr().unwrap().to_string();
+    let late = start_server("0:4", Some(&boot), &["--late-steps-ms", "1500"]).await;
+    let node = client_of(&honest).await;
+    let started = Instant::now();
+    let (tokens, chain) = swarm_tokens(&reference, &node, settings(64), 3).await;
+    let seconds = started.elapsed().as_secs_f64();
+    assert_eq!(tokens, reference.tokens(3).await);
+    let recoveries = chain.recoveries();
+    // Chosen first for its announced speed, then left after two late steps.
+    assert_eq!(recoveries.len(), 1, "{recoveries:?}");
+    assert_eq!(recoveries[0].failed_peer, late.peer_id().to_string());
+    assert!(
+        recoveries[0].step <= 3,
+        "left at step {}",
+        recoveries[0].step
+    );
+    assert!(chain
+        .route()
+        .iter()
+        .all(|h| h.peer_id == honest.peer_id().to_string()));
+    // Waiting out every late step would take at least 1.5 s × the steps.
+    assert!(
+        seconds < 1.5 * NEW_TOKENS as f64 / 2.0,
+        "{seconds:.1} s for {NEW_TOKENS} tokens"
+    );
+    chain.close().await;
+    late.shutdown();
+    honest.shutdown();
+}
