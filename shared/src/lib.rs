@@ -27,6 +27,8 @@ pub mod push_proof;
 #[cfg(feature = "native")]
 pub mod reach;
 pub mod record;
+#[cfg(feature = "native")]
+pub mod relay_shares;
 pub mod session;
 pub mod session_token;
 pub mod source_address;

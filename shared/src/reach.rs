@@ -18,11 +18,17 @@ use libp2p::swarm::NetworkBehaviour;
 use libp2p::{autonat, dcutr, relay, upnp, Multiaddr, PeerId, StreamProtocol};
 
 use crate::record::Reachability;
+use crate::relay_shares::ReservationShares;
 
 /// The protocol a relay offers: peers listing it in identify can be asked
 /// for a reservation.
 pub const RELAY_HOP_PROTOCOL: StreamProtocol =
     StreamProtocol::new("/libp2p/circuit/relay/0.2.0/hop");
+
+/// How long a relay slot lasts unless renewed (libp2p's relay clients renew
+/// before it ends; libp2p's default is an hour, which let a crowd hold
+/// slots long after it left).
+pub const RESERVATION_LIFETIME: Duration = Duration::from_secs(15 * 60);
 
 /// Relays a private server reserves slots on: one spare, so that losing a
 /// relay leaves the server reachable while it finds another.
@@ -122,13 +128,30 @@ impl Reach {
                 max_circuits_per_peer: limits.max_circuits_per_peer,
                 max_circuit_duration: limits.max_circuit_duration,
                 max_circuit_bytes: limits.max_circuit_bytes,
+                reservation_duration: RESERVATION_LIFETIME,
                 ..relay::Config::default()
             };
+            // Slots shared between source addresses, beside libp2p's rates
+            // per peer and per IP (one reservation every 2 min per peer, 30
+            // an hour; 60 an hour per IP).
+            config
+                .reservation_rate_limiters
+                .push(Box::new(ReservationShares::new(
+                    limits.max_reservations,
+                    RESERVATION_LIFETIME,
+                )));
             // libp2p's default lets one source open one circuit every two
             // minutes: a client replaying to a replacement, or a route through
-            // two private servers, needs more.
+            // two private servers, needs more. Per source peer: 10 at once,
+            // then one a minute; per source address, whatever its ids: as
+            // many as the relay carries at once (the NAT tests' clients,
+            // servers and relays behind one address open more than 8 in
+            // seconds), then one every 2 s, so no crowd churns circuits.
             config.circuit_src_rate_limiters.clear();
-            config = config.circuit_src_per_peer(ten(), Duration::from_secs(60));
+            let all = NonZeroU32::new(limits.max_circuits.max(1) as u32).unwrap_or(NonZeroU32::MIN);
+            config = config
+                .circuit_src_per_peer(ten(), Duration::from_secs(60))
+                .circuit_src_per_ip(all, Duration::from_secs(2));
             relay::Behaviour::new(peer_id, config)
         });
         let autonat = settings.autonat.then(|| {
