@@ -134,13 +134,15 @@ pub enum Lie {
     WrongHiddenSize,
     /// No step at all: every Open is refused as busy.
     Busy,
+    /// Sessions open, steps are never answered.
+    Silent,
 }
 
 fn lie_about(lie: Lie, input: &TensorPayload) -> TensorPayload {
     let (t, h) = (input.shape[1], input.shape[2]);
     let f32s = |n: usize, v: f32| v.to_le_bytes().repeat(n);
     let (shape, data) = match lie {
-        Lie::NotANumber | Lie::Busy => (vec![1, t, h], f32s(t * h, f32::NAN)),
+        Lie::NotANumber | Lie::Busy | Lie::Silent => (vec![1, t, h], f32s(t * h, f32::NAN)),
         Lie::Infinity => {
             let mut d = f32s(t * h, 0.5);
             d[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
@@ -244,6 +246,7 @@ async fn serve_lies(mut stream: Stream, lie: Lie) {
                 token: SessionToken([7; 16]),
             }
             .encode(),
+            Ok(Request::Step { .. }) if lie == Lie::Silent => continue,
             Ok(Request::Step { header, hidden }) => {
                 let out = lie_about(lie, &hidden.to_owned());
                 Response::StepOut {

@@ -32,9 +32,14 @@ async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
     .await
     .unwrap();
     // Ten copies of the honest record at a billion tokens per second, all
-    // at 127.66.0.1: ten refusing every Open, then ten answering NaN. The
-    // client has 8 retries; before, it spent them all on the crowd.
-    for (seed, lie) in [Lie::Busy, Lie::NotANumber].into_iter().enumerate() {
+    // at 127.66.0.1: ten refusing every Open, ten answering NaN, then ten
+    // never answering a step. The client has 8 retries and a 10 s step
+    // timeout; before, it spent all retries on the crowd.
+    for (seed, lie) in [Lie::Busy, Lie::NotANumber, Lie::Silent]
+        .into_iter()
+        .enumerate()
+    {
+        let started_answer = Instant::now();
         let mut crowd = Vec::new();
         for _ in 0..10 {
             crowd.push(lying_server_at(Ipv4Addr::new(127, 66, 0, 1), &boot, &honest, lie).await);
@@ -65,9 +70,12 @@ async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
                 .all(|h| h.peer_id == server.peer_id().to_string()),
             "{lie:?}"
         );
-        // A NaN fake is a recovery; a busy one never opened a session.
+        // A NaN or silent fake is a recovery; a busy one never opened a session.
         let failed = chain.recoveries().len();
         assert!(failed <= 1, "{lie:?}: {failed} recoveries");
+        // One step timeout at most, not one per fake.
+        let seconds = started_answer.elapsed().as_secs_f64();
+        assert!(seconds < 25.0, "{lie:?}: {seconds:.1} s");
         chain.close().await;
         for (_, task) in crowd {
             task.abort();
