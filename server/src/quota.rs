@@ -224,6 +224,28 @@ impl Quota {
         })
     }
 
+    /// Gives `slot`'s holder room in something the slots' holders share
+    /// besides the slots (the KV cache): evicts the holder the rules above
+    /// would evict for it if every slot were taken, never `slot` itself.
+    /// Whether one was evicted (its session then gives its share back).
+    pub fn evict_for(&self, slot: &Slot) -> bool {
+        let mut held = self.held();
+        let Some(mine) = held.slots.remove(&slot.id) else {
+            return false;
+        };
+        let victim = held.victim_for(&mine.holder, self.total, Instant::now());
+        held.slots.insert(slot.id, mine);
+        match victim.and_then(|id| held.slots.remove(&id)) {
+            Some(evicted) => {
+                tracing::debug!(peer = %evicted.holder.peer, source = ?evicted.holder.source,
+                    "evicting a session to make room in the cache for another source");
+                evicted.eviction.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Slots taken now, by everyone.
     pub fn in_use(&self) -> usize {
         self.held().slots.len()
@@ -341,6 +363,23 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), gone.evicted())
             .await
             .expect("told");
+    }
+
+    #[tokio::test]
+    async fn room_in_the_cache_comes_from_the_source_over_its_share() {
+        let quota = Quota::new(4, 16);
+        let crowd: Vec<Slot> = (0..3)
+            .map(|_| quota.try_take(from("6.6.6.6")).unwrap())
+            .collect();
+        let honest = quota.try_take(from("9.9.9.9")).unwrap();
+        let held = |slot: &Slot| quota.held().slots.contains_key(&slot.id);
+        // While the newcomer still lacks room, the crowd gives way, down to
+        // one session (what a newcomer asking for a slot would leave it).
+        assert!(quota.evict_for(&honest));
+        assert!(quota.evict_for(&honest));
+        assert!(!quota.evict_for(&honest));
+        assert!(held(&honest));
+        assert_eq!(crowd.iter().filter(|s| held(s)).count(), 1);
     }
 
     #[tokio::test]

@@ -439,11 +439,8 @@ async fn open_session(
             };
             (ErrorCode::Busy, message)
         })?;
-    let reservation = ctx
-        .settings
-        .cache
-        .try_reserve(max_length)
-        .map_err(|BudgetFull { free, total }| {
+    let reservation = reserve_cache(ctx, &slot, max_length).await.map_err(
+        |BudgetFull { free, total }| {
             (
                 ErrorCode::Busy,
                 format!(
@@ -452,7 +449,8 @@ async fn open_session(
                     RETRY_AFTER.as_secs()
                 ),
             )
-        })?;
+        },
+    )?;
     let cache = ctx
         .core
         .open(start..end, max_length)
@@ -472,6 +470,34 @@ async fn open_session(
         slot,
         _reservation: reservation,
     })
+}
+
+/// Reserves `tokens` of the KV cache for the session holding `slot`. When
+/// the cache is full, the sessions the slot rules would evict for this one
+/// (stale ones, then those of a source over its share) are evicted one at a
+/// time, each given a moment to free its share: a crowd within its share of
+/// sessions cannot hold the whole cache with long reservations.
+async fn reserve_cache(
+    ctx: &SessionContext,
+    slot: &Slot,
+    tokens: usize,
+) -> Result<Reservation, BudgetFull> {
+    let cache = &ctx.settings.cache;
+    loop {
+        let full = match cache.try_reserve(tokens) {
+            Ok(reservation) => return Ok(reservation),
+            Err(full) => full,
+        };
+        if !ctx.settings.sessions.evict_for(slot) {
+            return Err(full);
+        }
+        // The evicted session frees its reservation as soon as its task
+        // sees the eviction: milliseconds.
+        let (before, deadline) = (cache.free(), Instant::now() + Duration::from_secs(1));
+        while cache.free() <= before && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 /// Runs one step of the client's or one pushed to this session (with its

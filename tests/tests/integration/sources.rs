@@ -161,3 +161,51 @@ async fn a_crowd_of_identities_from_one_address_leaves_the_server_to_others() {
     drop(via);
     server.shutdown();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_cannot_hold_the_kv_cache_with_long_sessions() {
+    let reference = Reference::load();
+    // Cache for two sessions of 64 positions, slots for eight.
+    let server = start_server(
+        "0:4",
+        None,
+        &[
+            "--max-sessions",
+            "8",
+            "--max-sessions-per-peer",
+            "4",
+            "--cache-tokens",
+            "128",
+        ],
+    )
+    .await;
+    let peer = server.peer_id();
+    let via = Forwarder::from_source(CROWD, socket_of(server.tcp_addr().unwrap())).unwrap();
+    let crowd = crowd_member(&via, &peer).await.expect("the crowd connects");
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let (stream, code) = try_open(&crowd, peer).await.expect("a reply");
+        assert_eq!(code, None);
+        held.push(stream);
+    }
+    // The crowd itself gets no more: it holds the cache.
+    let (_, code) = try_open(&crowd, peer).await.expect("a reply");
+    assert_eq!(code, Some(ErrorCode::Busy));
+    // The honest client does, at the expense of one crowd session.
+    let honest = client_of(&server).await;
+    let (tokens, chain) = swarm_tokens(&reference, &honest, settings(64), 4).await;
+    assert_eq!(tokens, reference.tokens(4).await);
+    chain.close().await;
+    let mut evicted = 0;
+    for stream in &mut held {
+        if let Some((Some(ErrorCode::Busy), message)) =
+            read_reply(stream, Duration::from_millis(200)).await
+        {
+            assert!(message.contains("another address"), "{message}");
+            evicted += 1;
+        }
+    }
+    assert_eq!(evicted, 1);
+    drop(via);
+    server.shutdown();
+}
