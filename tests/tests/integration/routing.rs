@@ -4,33 +4,21 @@
 //! within a few steps.
 
 use std::net::Ipv4Addr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use corolla_client::network::connect;
-use corolla_shared::session::fetch_info;
 use corolla_tests::hostile::{lying_server_at, Lie};
 use corolla_tests::start_server;
+use libp2p::PeerId;
 
-use super::tiny_reference::{client_of, settings, swarm_tokens, Reference, MODEL, NEW_TOKENS};
+use super::tiny_reference::{
+    client_of, server_to_copy, settings, swarm_tokens, until_announced, Reference, NEW_TOKENS,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
     let reference = Reference::load();
-    let server = start_server(
-        "0:4",
-        None,
-        &["--update-period", "1s", "--step-delay-ms", "5"],
-    )
-    .await;
-    let boot = server.tcp_addr().unwrap().clone();
-    let watcher = client_of(&server).await;
-    let honest = fetch_info(
-        &mut watcher.control(),
-        server.peer_id(),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
+    let (server, boot, honest) = server_to_copy().await;
     // Ten copies of the honest record at a billion tokens per second, all
     // at 127.66.0.1: ten refusing every Open, ten answering NaN, then ten
     // never answering a step. The client has 8 retries and a 10 s step
@@ -44,23 +32,9 @@ async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
         for _ in 0..10 {
             crowd.push(lying_server_at(Ipv4Addr::new(127, 66, 0, 1), &boot, &honest, lie).await);
         }
-        let fakes: Vec<String> = crowd.iter().map(|(peer, _)| peer.to_string()).collect();
+        let fakes: Vec<PeerId> = crowd.iter().map(|(peer, _)| *peer).collect();
         let node = connect(std::slice::from_ref(&boot)).await.unwrap();
-        let started = Instant::now();
-        while node
-            .discover(MODEL, Duration::from_secs(2))
-            .await
-            .unwrap()
-            .iter()
-            .filter(|r| fakes.contains(&r.peer_id))
-            .count()
-            < fakes.len()
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "fakes not announced"
-            );
-        }
+        until_announced(&node, &fakes).await;
         let (tokens, chain) = swarm_tokens(&reference, &node, settings(64), seed as u64).await;
         assert_eq!(tokens, reference.tokens(seed as u64).await, "{lie:?}");
         assert!(

@@ -64,6 +64,21 @@ async fn try_open(
     Some((stream, code))
 }
 
+/// How many of the crowd's sessions were told their place went to a
+/// client from another address.
+async fn evicted(held: &mut [Stream]) -> usize {
+    let mut evicted = 0;
+    for stream in held {
+        if let Some((Some(ErrorCode::Busy), message)) =
+            read_reply(stream, Duration::from_millis(200)).await
+        {
+            assert!(message.contains("another address"), "{message}");
+            evicted += 1;
+        }
+    }
+    evicted
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_of_identities_from_one_address_leaves_the_server_to_others() {
     let reference = Reference::load();
@@ -127,16 +142,7 @@ async fn a_crowd_of_identities_from_one_address_leaves_the_server_to_others() {
     assert_eq!(tokens, reference.tokens(2).await);
     assert!(started.elapsed() < Duration::from_secs(10));
     chain.close().await;
-    let mut evicted = 0;
-    for stream in &mut held {
-        if let Some((Some(ErrorCode::Busy), message)) =
-            read_reply(stream, Duration::from_millis(200)).await
-        {
-            assert!(message.contains("another address"), "{message}");
-            evicted += 1;
-        }
-    }
-    assert_eq!(evicted, 1, "one crowd session made room");
+    assert_eq!(evicted(&mut held).await, 1, "one crowd session made room");
 
     // 4. Idle streams: a stream that never sends a byte is closed in
     // seconds, not at the 300 s session timeout.
@@ -196,16 +202,7 @@ async fn a_crowd_cannot_hold_the_kv_cache_with_long_sessions() {
     let (tokens, chain) = swarm_tokens(&reference, &honest, settings(64), 4).await;
     assert_eq!(tokens, reference.tokens(4).await);
     chain.close().await;
-    let mut evicted = 0;
-    for stream in &mut held {
-        if let Some((Some(ErrorCode::Busy), message)) =
-            read_reply(stream, Duration::from_millis(200)).await
-        {
-            assert!(message.contains("another address"), "{message}");
-            evicted += 1;
-        }
-    }
-    assert_eq!(evicted, 1);
+    assert_eq!(evicted(&mut held).await, 1, "one crowd session made room");
     drop(via);
     server.shutdown();
 }

@@ -13,8 +13,9 @@ use corolla_server::RunningServer;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::{OpenRequest, Request};
 use corolla_shared::session::fetch_info;
-use corolla_shared::WireDType;
-use corolla_tests::tiny_llama;
+use corolla_shared::{ServerRecord, WireDType};
+use corolla_tests::{start_server, tiny_llama};
+use libp2p::{Multiaddr, PeerId};
 
 pub(crate) const MODEL: &str = "tiny-llama-a";
 pub(crate) const NEW_TOKENS: usize = 12;
@@ -119,4 +120,46 @@ pub(crate) async fn client_of(server: &RunningServer) -> NodeHandle {
     connect(&[server.tcp_addr().unwrap().clone()])
         .await
         .unwrap()
+}
+
+/// A server of the whole tiny model for liars to copy: its announced speed
+/// counts a 5 ms step delay, so a liar claiming more is chosen first
+/// whatever loopback round trips do under load. Returns it, its address
+/// and its record as a client fetches it.
+pub(crate) async fn server_to_copy() -> (RunningServer, Multiaddr, ServerRecord) {
+    let server = start_server(
+        "0:4",
+        None,
+        &["--update-period", "1s", "--step-delay-ms", "5"],
+    )
+    .await;
+    let boot = server.tcp_addr().unwrap().clone();
+    let watcher = client_of(&server).await;
+    let record = fetch_info(
+        &mut watcher.control(),
+        server.peer_id(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    (server, boot, record)
+}
+
+/// Waits (at most 20 s) until `node`'s lookups list every one of `peers`
+/// as a server of the model.
+pub(crate) async fn until_announced(node: &NodeHandle, peers: &[PeerId]) {
+    let started = std::time::Instant::now();
+    loop {
+        let found = node.discover(MODEL, Duration::from_secs(2)).await.unwrap();
+        if peers
+            .iter()
+            .all(|p| found.iter().any(|r| r.peer_id == p.to_string()))
+        {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "not all of {peers:?} announced"
+        );
+    }
 }
