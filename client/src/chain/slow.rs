@@ -46,7 +46,12 @@ impl RemoteChain {
     fn late_server(&self, index: usize) -> Option<SessionError> {
         let max_length = self.settings.max_length;
         self.hops[index].sessions.iter().find_map(|(hop, session)| {
-            let measured = self.view.measured_seconds(hop)?;
+            // Under the floor no deadline can be broken: skip planning an
+            // alternative on every fast step.
+            let measured = self
+                .view
+                .measured_seconds(hop)
+                .filter(|m| *m > SLOW_MARGIN)?;
             let exclude = HashSet::from([hop.peer_id.clone()]);
             let others = self
                 .view
