@@ -47,12 +47,17 @@ impl NodeHandle {
             .map_err(|_| NodeError::Stopped)
     }
 
+    /// Returns once the swarm knows `addr`: a stream opened after this
+    /// dials it.
     pub async fn add_address(&self, peer: PeerId, addr: Multiaddr) -> Result<(), NodeError> {
+        let (tx, rx) = oneshot::channel();
         self.send(Command::AddAddress {
             peer,
             address: addr,
+            reply: tx,
         })
-        .await
+        .await?;
+        rx.await.map_err(|_| NodeError::Stopped)
     }
 
     /// Tells the DHT this server leaves (a signed last record), and stops

@@ -88,9 +88,12 @@ pub struct ReachReport {
 /// What the handle asks of the loop; those that ask something carry where
 /// the answer goes.
 enum Command {
+    /// Answered once the swarm knows the address, so that a stream opened
+    /// right after dials it (the stream's dial request takes another path).
     AddAddress {
         peer: PeerId,
         address: Multiaddr,
+        reply: oneshot::Sender<()>,
     },
     /// Answered when the lookup ends or its time is up, with what was found by then.
     GetProviders {
@@ -301,7 +304,11 @@ impl Node {
 
     fn on_command(&mut self, command: Command) {
         match command {
-            Command::AddAddress { peer, address } => {
+            Command::AddAddress {
+                peer,
+                address,
+                reply,
+            } => {
                 if self.admits(&address) {
                     self.swarm
                         .behaviour_mut()
@@ -309,6 +316,7 @@ impl Node {
                         .add_address(&peer, address.clone());
                     self.swarm.add_peer_address(peer, address);
                 }
+                let _ = reply.send(());
             }
             Command::Dial {
                 peer,
