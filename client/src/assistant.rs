@@ -20,6 +20,7 @@ use crate::chat::{ChatMessage, ChatTemplate};
 use crate::draft_model::DraftModel;
 use crate::error::ClientError;
 use crate::generate::{generate_after, GenerateOutput, GenerateRequest, LocalHead, TokenHead};
+use crate::identities::{Identities, Lease, MAX_IDENTITIES};
 use crate::local::LocalChain;
 use crate::route::Hop;
 use crate::session_settings::SessionSettings;
@@ -44,7 +45,7 @@ pub struct Blocks {
 enum Place {
     Local(Vec<BlockSpan>),
     Swarm {
-        view: SwarmView,
+        identities: Identities,
         /// Every session's settings but its length.
         sessions: Box<SessionSettings>,
     },
@@ -124,20 +125,24 @@ pub struct Answer {
 
 enum Chain {
     Local(LocalChain),
-    Remote(Box<RemoteChain>),
+    Remote {
+        chain: Box<RemoteChain>,
+        /// The identity the chain's sessions are held by.
+        _lease: Lease,
+    },
 }
 
 impl Chain {
     fn capacity(&self) -> usize {
         match self {
             Chain::Local(c) => c.capacity(),
-            Chain::Remote(c) => c.capacity(),
+            Chain::Remote { chain, .. } => chain.capacity(),
         }
     }
 
     async fn close(self) {
-        if let Chain::Remote(c) = self {
-            c.close().await;
+        if let Chain::Remote { chain, .. } = self {
+            chain.close().await;
         }
     }
 }
@@ -190,7 +195,7 @@ impl Conversation {
     /// while the conversation is on screen. On a failure the chain is closed
     /// and the next answer opens a new one.
     pub async fn keep_alive(&mut self) {
-        if let Some(Chain::Remote(chain)) = &mut self.chain {
+        if let Some(Chain::Remote { chain, .. }) = &mut self.chain {
             if let Err(e) = chain.keep_alive().await {
                 tracing::debug!(error = %e, "keep-alive failed; the next answer reopens");
                 self.reset().await;
@@ -270,6 +275,13 @@ impl Assistant {
         Ok(self)
     }
 
+    /// Speaks to the swarm also as the peers of `nodes`
+    /// ([`Blocks::also_speaking_as`]).
+    pub fn also_speaking_as(mut self, nodes: Vec<NodeHandle>) -> Result<Self, ClientError> {
+        self.blocks = self.blocks.also_speaking_as(nodes)?;
+        Ok(self)
+    }
+
     /// The draft model, where there is one.
     pub fn draft_model(&self) -> Option<&DraftModel> {
         self.draft.as_ref()
@@ -304,6 +316,11 @@ impl Assistant {
     /// The swarm view, for a swarm.
     pub fn swarm_view(&self) -> Option<&SwarmView> {
         self.blocks.swarm_view()
+    }
+
+    /// See [`Blocks::forgive_busy`].
+    pub fn forgive_busy(&self) {
+        self.blocks.forgive_busy();
     }
 
     /// Token ids of a chat prompt for `messages`, ending where the
@@ -362,10 +379,42 @@ impl Blocks {
         let view = SwarmView::new(node, &sessions);
         Ok(Blocks {
             place: Place::Swarm {
-                view,
+                identities: Identities::new(view, []),
                 sessions: Box::new(sessions),
             },
             device: device.clone(),
+        })
+    }
+
+    /// Speaks to the swarm also as the peers of `nodes` (each a node of its
+    /// own, in the same swarm), so that more chains are open at once than
+    /// servers grant one peer; see [`crate::identities`].
+    pub fn also_speaking_as(self, nodes: Vec<NodeHandle>) -> Result<Self, ClientError> {
+        let Blocks { place, device } = self;
+        let Place::Swarm {
+            identities,
+            sessions,
+        } = place
+        else {
+            return Err(ClientError::BadRequest(
+                "identities are for blocks on a swarm".into(),
+            ));
+        };
+        if identities.len() + nodes.len() > MAX_IDENTITIES {
+            return Err(ClientError::BadRequest(format!(
+                "at most {MAX_IDENTITIES} identities"
+            )));
+        }
+        let more = nodes
+            .into_iter()
+            .map(|node| SwarmView::new(node, &sessions));
+        let identities = identities.extended(more);
+        Ok(Blocks {
+            place: Place::Swarm {
+                identities,
+                sessions,
+            },
+            device,
         })
     }
 
@@ -377,11 +426,19 @@ impl Blocks {
         }
     }
 
-    /// The swarm view, for a swarm.
+    /// The swarm view (the first identity's), for a swarm.
     pub fn swarm_view(&self) -> Option<&SwarmView> {
         match &self.place {
-            Place::Swarm { view, .. } => Some(view),
+            Place::Swarm { identities, .. } => Some(identities.first()),
             Place::Local(_) => None,
+        }
+    }
+
+    /// After servers refused as busy and this client gave up sessions:
+    /// every identity may try them again at once.
+    pub fn forgive_busy(&self) {
+        if let Place::Swarm { identities, .. } = &self.place {
+            identities.forgive_busy();
         }
     }
 
@@ -390,7 +447,11 @@ impl Blocks {
     pub fn max_positions(&self, model_max: usize) -> usize {
         match &self.place {
             Place::Local(_) => model_max,
-            Place::Swarm { view, sessions } => view
+            Place::Swarm {
+                identities,
+                sessions,
+            } => identities
+                .first()
                 .max_session_length(sessions.num_layers)
                 .map_or(model_max, |servers| servers.min(model_max)),
         }
@@ -433,7 +494,7 @@ impl Blocks {
             Chain::Local(local) => generate_after(head, local, request, reused, on_token)
                 .await
                 .map(|out| (out, None, Vec::new(), Vec::new(), 0)),
-            Chain::Remote(remote) => {
+            Chain::Remote { chain: remote, .. } => {
                 remote.rewind(reused);
                 let out = generate_after(head, remote.as_mut(), request, reused, on_token).await;
                 let suspects = remote.take_suspects();
@@ -487,7 +548,11 @@ impl Blocks {
                 spans,
                 needed.max(reserve.min(model_max)),
             )?)),
-            Place::Swarm { view, sessions } => {
+            Place::Swarm {
+                identities,
+                sessions,
+            } => {
+                let (view, lease) = identities.least_busy();
                 view.ensure_fresh().await;
                 let length = match view.max_session_length(sessions.num_layers) {
                     Some(max) if needed > max => {
@@ -500,7 +565,10 @@ impl Blocks {
                 let mut settings = SessionSettings::clone(sessions);
                 settings.max_length = length;
                 let chain = RemoteChain::connect_via(view, settings, &self.device).await?;
-                Ok(Chain::Remote(Box::new(chain)))
+                Ok(Chain::Remote {
+                    chain: Box::new(chain),
+                    _lease: lease,
+                })
             }
         }
     }

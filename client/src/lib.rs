@@ -18,6 +18,7 @@ pub mod draft_model;
 mod error;
 pub mod generate;
 pub mod gguf_tokenizer;
+pub mod identities;
 pub mod local;
 pub mod route;
 pub mod session_settings;

@@ -100,9 +100,7 @@ pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSe
         state.release_kept().await;
         // The servers free a slot once they have read the Close.
         tokio::time::sleep(Duration::from_millis(300 * tries)).await;
-        if let Some(view) = assistant.swarm_view() {
-            view.forgive_busy();
-        }
+        assistant.forgive_busy();
         result = assistant
             .answer(&mut conversation, &job.request, &mut on_token)
             .await;

@@ -241,8 +241,7 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
     let assistant = if local {
         Assistant::local(&checkpoint, dtype)?
     } else {
-        let allowed = parse_peer_list(&swarm.allowed_peers).map_err(anyhow::Error::msg)?;
-        let node = connect_with(&swarm.initial_peers, allowed, &swarm.reach_settings()).await?;
+        let node = swarm.connect().await?;
         let mut settings = swarm.session_settings();
         if settings.spot_check > 0.0 {
             settings.referee = Referee::new(checkpoint.clone(), dtype, Device::Cpu);
@@ -261,6 +260,12 @@ pub(crate) async fn open_assistant(blocks: &BlocksArgs) -> Result<Assistant> {
 }
 
 impl SwarmArgs {
+    /// A node of a new identity, in the swarm these flags name.
+    pub(crate) async fn connect(&self) -> Result<corolla_shared::node::NodeHandle> {
+        let allowed = parse_peer_list(&self.allowed_peers).map_err(anyhow::Error::msg)?;
+        Ok(connect_with(&self.initial_peers, allowed, &self.reach_settings()).await?)
+    }
+
     /// How this client's node reaches servers behind NATs.
     pub(crate) fn reach_settings(&self) -> corolla_shared::reach::ReachSettings {
         corolla_shared::reach::ReachSettings {

@@ -102,6 +102,11 @@ struct ApiArgs {
     /// Finished conversations whose server sessions stay open for follow-ups.
     #[arg(long, default_value_t = 8)]
     kept_conversations: usize,
+    /// Peer ids the API speaks to the swarm as (each a node of its own):
+    /// servers grant one peer a quarter of their sessions, so answers at
+    /// once beyond that need more identities (at most 16).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=16))]
+    identities: u16,
     /// The longest draft a step checks (prompt lookup); 0: one token per step.
     #[arg(long, default_value_t = crate::DEFAULT_DRAFTS)]
     drafts: usize,
@@ -263,7 +268,13 @@ fn run_random_model(args: RandomModelArgs) -> Result<()> {
 }
 
 async fn run_api(args: ApiArgs) -> Result<()> {
-    let assistant = open_assistant(&args.blocks).await?;
+    let mut assistant = open_assistant(&args.blocks).await?;
+    if assistant.swarm_view().is_some() && args.identities > 1 {
+        let swarm = &args.blocks.swarm;
+        let nodes =
+            futures::future::try_join_all((1..args.identities).map(|_| swarm.connect())).await?;
+        assistant = assistant.also_speaking_as(nodes)?;
+    }
     let settings = crate::api::ApiSettings {
         addr: std::net::SocketAddr::new(args.host, args.port),
         api_key: args.api_key.filter(|k| !k.is_empty()),
