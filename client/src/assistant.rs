@@ -510,6 +510,9 @@ impl Blocks {
                 })
             }
         };
+        if let (Ok((.., suspects, _)), Place::Swarm { identities, .. }) = (&result, &self.place) {
+            identities.share_suspects(suspects);
+        }
         match result {
             Ok((output, route, recoveries, suspects, pushed_steps)) => {
                 // The last token sampled was never fed back.

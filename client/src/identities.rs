@@ -9,6 +9,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use corolla_shared::ErrorKind;
+
 use crate::swarm_view::SwarmView;
 
 /// At most this many identities: each costs a node with its own connections,
@@ -77,6 +79,23 @@ impl Identities {
             open_chains: member.open_chains.clone(),
         };
         (&member.view, lease)
+    }
+
+    /// Servers one identity caught lying are banned for every identity
+    /// (a refusal for want of sessions is not: servers count those per peer).
+    pub(crate) fn share_suspects(&self, suspects: &[String]) {
+        // The identity that caught them has banned them already.
+        for member in &self.members {
+            for peer in suspects {
+                if !member.view.is_banned(peer) {
+                    member.view.ban_for(
+                        peer,
+                        ErrorKind::BadServer,
+                        "caught returning wrong activations (through another identity)",
+                    );
+                }
+            }
+        }
     }
 
     pub(crate) fn forgive_busy(&self) {
