@@ -121,6 +121,44 @@ pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
     }
 }
 
+/// A fresh peer asking the relay at `circuit` (`…/p2p/<relay>/p2p-circuit`)
+/// for a slot: whether the relay granted one within `wait`. The peer holds
+/// its slot until the returned task is aborted.
+pub async fn ask_relay_slot(
+    circuit: Multiaddr,
+    wait: Duration,
+) -> (bool, tokio::task::JoinHandle<()>) {
+    let (_, mut swarm) = fresh_swarm(Duration::from_secs(60), &NetworkLimits::client()).await;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let mut answer = Some(tx);
+        let mut answer_with = |granted: bool| {
+            if let Some(tx) = answer.take() {
+                let _ = tx.send(granted);
+            }
+        };
+        if swarm.listen_on(circuit).is_err() {
+            answer_with(false);
+            return;
+        }
+        loop {
+            match swarm.select_next_some().await {
+                SwarmEvent::NewListenAddr { address, .. }
+                    if address.iter().any(|p| p == Protocol::P2pCircuit) =>
+                {
+                    answer_with(true)
+                }
+                SwarmEvent::ListenerClosed { .. } | SwarmEvent::ListenerError { .. } => {
+                    answer_with(false)
+                }
+                _ => {}
+            }
+        }
+    });
+    let granted = matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(true)));
+    (granted, task)
+}
+
 /// What a lying server returns for a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lie {

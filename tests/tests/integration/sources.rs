@@ -12,7 +12,7 @@ use corolla_client::network::connect;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::ErrorCode;
 use corolla_tests::forwarder::{connect_from, Forwarder};
-use corolla_tests::hostile::{exchange, open_stream, read_reply};
+use corolla_tests::hostile::{ask_relay_slot, exchange, open_stream, read_reply};
 use corolla_tests::start_server;
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, Stream};
@@ -205,4 +205,41 @@ async fn a_crowd_cannot_hold_the_kv_cache_with_long_sessions() {
     assert_eq!(evicted(&mut held).await, 1, "one crowd session made room");
     drop(via);
     server.shutdown();
+}
+
+/// A relay's slots are shared between addresses: twenty identities from one
+/// host ask a relay with 16 slots for one each (without the shares they take
+/// every slot, and a server behind a NAT loses its way in); the host gets
+/// its eighth, and a peer from another address still gets a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_cannot_take_a_relays_slots() {
+    let relay = start_server("0:4", None, &["--relay-max-reservations", "16"]).await;
+    let peer = relay.peer_id();
+    let target = socket_of(relay.tcp_addr().unwrap());
+    let via = Forwarder::from_source(CROWD, target).unwrap();
+    let through = |port: u16| -> Multiaddr {
+        format!("/ip4/127.0.0.1/tcp/{port}/p2p/{peer}/p2p-circuit")
+            .parse()
+            .unwrap()
+    };
+    let mut crowd = Vec::new();
+    let mut granted = 0;
+    for _ in 0..20 {
+        let (slot, task) = ask_relay_slot(through(via.addr().port()), Duration::from_secs(3)).await;
+        granted += usize::from(slot);
+        crowd.push(task);
+    }
+    let (honest, honest_task) =
+        ask_relay_slot(through(target.port()), Duration::from_secs(5)).await;
+    println!("relay with 16 slots: a crowd of 20 identities from one host got {granted}; a peer elsewhere got one: {honest}");
+    assert!(honest, "the peer from another address got no slot");
+    assert!(
+        (1..=2).contains(&granted),
+        "the crowd's host got {granted} slots (its share: 2)"
+    );
+    for task in crowd {
+        task.abort();
+    }
+    honest_task.abort();
+    relay.shutdown();
 }
