@@ -2,11 +2,14 @@
 //! so a cap per id alone limits nothing: slots are also shared fairly
 //! between source networks (IPv4 /24, IPv6 /48) and, inside one, between
 //! hosts. When every slot is taken, a newcomer gets one by evicting, in
-//! this order: a holder that made no progress for [`STALE_AFTER`] (the
-//! oldest first), then the holder idle longest in the network (and host)
-//! holding the most slots, when that one holds more than the newcomer's
-//! share. A slot is a guard: dropping it gives the place back; an evicted
-//! holder learns so through [`Slot::evicted`] and ends its session.
+//! this order: a holder that made no progress for [`STALE_AFTER`], then one
+//! of the network (and host) holding the most slots, when that one holds
+//! more than the newcomer's share. Among those, the holder that keeps the
+//! most without progress goes first: idle time times what it reserved
+//! besides the slot (KV cache positions, [`Slot::holds`]), so a session
+//! that reserved a long context must use it or lose it first. A slot is a
+//! guard: dropping it gives the place back; an evicted holder learns so
+//! through [`Slot::evicted`] and ends its session.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -84,7 +87,16 @@ struct Held {
 struct Entry {
     holder: Holder,
     last_progress: Instant,
+    /// What the holder reserved besides the slot (KV cache positions).
+    reserved: usize,
     eviction: Arc<Notify>,
+}
+
+impl Entry {
+    /// What it keeps without progress: idle time, weighted by what it reserved.
+    fn idle_holding(&self, now: Instant) -> f64 {
+        now.duration_since(self.last_progress).as_secs_f64() * (1 + self.reserved) as f64
+    }
 }
 
 impl Held {
@@ -92,12 +104,17 @@ impl Held {
         self.slots.values().filter(|e| keep(e)).count()
     }
 
-    /// The slot idle longest among those `keep` selects.
-    fn idlest(&self, keep: impl Fn(&Entry) -> bool) -> Option<u64> {
+    /// Among the slots `keep` selects, the one keeping the most without
+    /// progress ([`Entry::idle_holding`]; the idlest among equals).
+    fn most_idle_holding(&self, now: Instant, keep: impl Fn(&Entry) -> bool) -> Option<u64> {
         self.slots
             .iter()
             .filter(|(_, e)| keep(e))
-            .min_by_key(|(_, e)| e.last_progress)
+            .max_by(|(_, a), (_, b)| {
+                a.idle_holding(now)
+                    .total_cmp(&b.idle_holding(now))
+                    .then(b.last_progress.cmp(&a.last_progress))
+            })
             .map(|(id, _)| *id)
     }
 
@@ -115,7 +132,9 @@ impl Held {
 
     /// Which slot `newcomer` may take when all `total` are held.
     fn victim_for(&self, newcomer: &Holder, total: usize, now: Instant) -> Option<u64> {
-        if let Some(id) = self.idlest(|e| now.duration_since(e.last_progress) >= STALE_AFTER) {
+        if let Some(id) =
+            self.most_idle_holding(now, |e| now.duration_since(e.last_progress) >= STALE_AFTER)
+        {
             return Some(id);
         }
         let network = newcomer.network();
@@ -130,18 +149,18 @@ impl Held {
             .len();
         let share = (total / networks.max(1)).max(1);
         if mine < share && theirs > mine + 1 {
-            return self.victim_in_network(largest);
+            return self.victim_in_network(largest, now);
         }
         // Inside the newcomer's own network, hosts share alike.
         let host = newcomer.host();
         let mine = self.count(|e| e.holder.host() == host);
         let (largest, theirs) = self.largest_host_in(network)?;
-        (theirs > mine + 1).then(|| self.idlest(|e| e.holder.host() == largest))?
+        (theirs > mine + 1).then(|| self.most_idle_holding(now, |e| e.holder.host() == largest))?
     }
 
-    fn victim_in_network(&self, network: Option<AddressGroup>) -> Option<u64> {
+    fn victim_in_network(&self, network: Option<AddressGroup>, now: Instant) -> Option<u64> {
         let (host, _) = self.largest_host_in(network)?;
-        self.idlest(|e| e.holder.host() == host)
+        self.most_idle_holding(now, |e| e.holder.host() == host)
     }
 
     fn largest_host_in(
@@ -214,6 +233,7 @@ impl Quota {
             Entry {
                 holder,
                 last_progress: now,
+                reserved: 0,
                 eviction: eviction.clone(),
             },
         );
@@ -277,6 +297,14 @@ impl Slot {
     fn progressed_at(&self, now: Instant) {
         if let Some(entry) = self.quota.held().slots.get_mut(&self.id) {
             entry.last_progress = now;
+        }
+    }
+
+    /// The holder reserved `amount` besides the slot (KV cache positions):
+    /// idle, it is evicted before holders that reserved less.
+    pub fn holds(&self, amount: usize) {
+        if let Some(entry) = self.quota.held().slots.get_mut(&self.id) {
+            entry.reserved = amount;
         }
     }
 
@@ -407,5 +435,25 @@ mod tests {
             quota.take_at(from("5.5.5.6"), later).unwrap_err(),
             Refusal::Full { limit: 4 }
         );
+    }
+
+    #[tokio::test]
+    async fn a_long_reservation_left_idle_goes_before_a_short_one() {
+        let quota = Quota::new(8, 3);
+        let start = Instant::now();
+        let short = quota.take_at(from("5.5.5.5"), start).unwrap();
+        let long = quota.take_at(from("5.5.5.5"), start).unwrap();
+        let _other = quota.take_at(from("5.5.5.6"), start).unwrap();
+        short.holds(64);
+        long.holds(2048);
+        // Both stale; the short one has been idle longer, the long one keeps more.
+        short.progressed_at(start);
+        long.progressed_at(start + Duration::from_secs(2));
+        let later = start + STALE_AFTER + Duration::from_secs(5);
+        _other.progressed_at(later);
+        let held = |slot: &Slot| quota.held().slots.contains_key(&slot.id);
+        let _newcomer = quota.take_at(from("9.9.9.9"), later).unwrap();
+        assert!(!held(&long), "the idle long reservation went first");
+        assert!(held(&short));
     }
 }

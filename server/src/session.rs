@@ -451,6 +451,7 @@ async fn open_session(
             )
         },
     )?;
+    slot.holds(max_length);
     let cache = ctx
         .core
         .open(start..end, max_length)
