@@ -28,6 +28,8 @@ pub mod push_proof;
 pub mod reach;
 pub mod record;
 #[cfg(feature = "native")]
+pub mod relay_service;
+#[cfg(feature = "native")]
 pub mod relay_shares;
 pub mod session;
 pub mod session_token;

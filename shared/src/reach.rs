@@ -18,6 +18,7 @@ use libp2p::swarm::NetworkBehaviour;
 use libp2p::{autonat, dcutr, relay, upnp, Multiaddr, PeerId, StreamProtocol};
 
 use crate::record::Reachability;
+use crate::relay_service::{CircuitShares, RelayService};
 use crate::relay_shares::ReservationShares;
 
 /// The protocol a relay offers: peers listing it in identify can be asked
@@ -108,7 +109,7 @@ impl ReachSettings {
 #[derive(NetworkBehaviour)]
 pub struct Reach {
     pub relay_client: relay::client::Behaviour,
-    pub relay: Toggle<relay::Behaviour>,
+    pub relay: Toggle<RelayService>,
     pub dcutr: Toggle<dcutr::Behaviour>,
     pub autonat: Toggle<autonat::v2::client::Behaviour>,
     pub autonat_server: Toggle<autonat::v2::server::Behaviour>,
@@ -152,7 +153,10 @@ impl Reach {
             config = config
                 .circuit_src_per_peer(ten(), Duration::from_secs(60))
                 .circuit_src_per_ip(all, Duration::from_secs(2));
-            relay::Behaviour::new(peer_id, config)
+            // Last: it counts what it admits until the circuit is set up.
+            let shares = CircuitShares::new(limits.max_circuits);
+            config.circuit_src_rate_limiters.push(shares.limiter());
+            RelayService::new(peer_id, config, shares)
         });
         let autonat = settings.autonat.then(|| {
             autonat::v2::client::Behaviour::new(

@@ -79,18 +79,32 @@ async fn fresh_swarm(
     libp2p::identity::Keypair,
     libp2p::Swarm<corolla_shared::behaviour::Behaviour>,
 ) {
+    swarm_reaching(update_period, limits, &ReachSettings::client()).await
+}
+
+/// [`fresh_swarm`] with `reach`.
+async fn swarm_reaching(
+    update_period: Duration,
+    limits: &NetworkLimits,
+    reach: &ReachSettings,
+) -> (
+    libp2p::identity::Keypair,
+    libp2p::Swarm<corolla_shared::behaviour::Behaviour>,
+) {
     let key = libp2p::identity::Keypair::generate_ed25519();
-    let swarm = build_swarm(
-        key.clone(),
-        update_period,
-        limits,
-        None,
-        &ReachSettings::client(),
-        None,
-    )
-    .await
-    .expect("a swarm");
+    let swarm = build_swarm(key.clone(), update_period, limits, None, reach, None)
+        .await
+        .expect("a swarm");
     (key, swarm)
+}
+
+/// A client's reachability without hole punching: relayed connections stay
+/// relayed (the relay's circuit counts are what a test looks at).
+fn relayed_only() -> ReachSettings {
+    ReachSettings {
+        hole_punch: false,
+        ..ReachSettings::client()
+    }
 }
 
 /// Asks the DHT node at `target` (ending in `/p2p/<id>`) to store `value`
@@ -122,13 +136,19 @@ pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
 }
 
 /// A fresh peer asking the relay at `circuit` (`…/p2p/<relay>/p2p-circuit`)
-/// for a slot: whether the relay granted one within `wait`. The peer holds
-/// its slot until the returned task is aborted.
+/// for a slot: whether the relay granted one within `wait`, and the peer's
+/// id. The peer holds its slot, and accepts relayed connections, until the
+/// returned task is aborted.
 pub async fn ask_relay_slot(
     circuit: Multiaddr,
     wait: Duration,
-) -> (bool, tokio::task::JoinHandle<()>) {
-    let (_, mut swarm) = fresh_swarm(Duration::from_secs(60), &NetworkLimits::client()).await;
+) -> (bool, PeerId, tokio::task::JoinHandle<()>) {
+    let (key, mut swarm) = swarm_reaching(
+        Duration::from_secs(60),
+        &NetworkLimits::client(),
+        &relayed_only(),
+    )
+    .await;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
         let mut answer = Some(tx);
@@ -156,7 +176,53 @@ pub async fn ask_relay_slot(
         }
     });
     let granted = matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(true)));
-    (granted, task)
+    (granted, key.public().to_peer_id(), task)
+}
+
+/// A fresh peer connecting to `target` (a relayed address,
+/// `…/p2p-circuit/p2p/<peer>`): whether the connection came up within
+/// `wait`. It stays up until the returned task is aborted.
+pub async fn connect_through_relay(
+    target: Multiaddr,
+    wait: Duration,
+) -> (bool, tokio::task::JoinHandle<()>) {
+    let (_, mut swarm) = swarm_reaching(
+        Duration::from_secs(60),
+        &NetworkLimits::client(),
+        &relayed_only(),
+    )
+    .await;
+    // The relay's own connection comes up first.
+    let peer = match target.iter().last() {
+        Some(Protocol::P2p(peer)) => peer,
+        _ => panic!("{target} names no peer"),
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let mut answer = Some(tx);
+        let mut answer_with = |up: bool| {
+            if let Some(tx) = answer.take() {
+                let _ = tx.send(up);
+            }
+        };
+        if swarm.dial(target).is_err() {
+            answer_with(false);
+            return;
+        }
+        loop {
+            match swarm.select_next_some().await {
+                SwarmEvent::ConnectionEstablished { peer_id, .. } if peer_id == peer => {
+                    answer_with(true)
+                }
+                SwarmEvent::OutgoingConnectionError {
+                    peer_id: Some(p), ..
+                } if p == peer => answer_with(false),
+                _ => {}
+            }
+        }
+    });
+    let up = matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(true)));
+    (up, task)
 }
 
 /// What a lying server returns for a step.

@@ -12,7 +12,9 @@ use corolla_client::network::connect;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::ErrorCode;
 use corolla_tests::forwarder::{connect_from, Forwarder};
-use corolla_tests::hostile::{ask_relay_slot, exchange, open_stream, read_reply};
+use corolla_tests::hostile::{
+    ask_relay_slot, connect_through_relay, exchange, open_stream, read_reply,
+};
 use corolla_tests::start_server;
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, Stream};
@@ -225,11 +227,12 @@ async fn a_crowd_cannot_take_a_relays_slots() {
     let mut crowd = Vec::new();
     let mut granted = 0;
     for _ in 0..20 {
-        let (slot, task) = ask_relay_slot(through(via.addr().port()), Duration::from_secs(3)).await;
+        let (slot, _, task) =
+            ask_relay_slot(through(via.addr().port()), Duration::from_secs(3)).await;
         granted += usize::from(slot);
         crowd.push(task);
     }
-    let (honest, honest_task) =
+    let (honest, _, honest_task) =
         ask_relay_slot(through(target.port()), Duration::from_secs(5)).await;
     println!("relay with 16 slots: a crowd of 20 identities from one host got {granted}; a peer elsewhere got one: {honest}");
     assert!(honest, "the peer from another address got no slot");
@@ -241,5 +244,58 @@ async fn a_crowd_cannot_take_a_relays_slots() {
         task.abort();
     }
     honest_task.abort();
+    relay.shutdown();
+}
+
+/// A relay's circuits are shared between addresses too: a crowd of
+/// identities from one host dialing a server behind the relay holds at most
+/// half of them at once (without the shares it takes all 8 and nobody else
+/// gets through), and a client from another address still reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_cannot_take_a_relays_circuits() {
+    let relay = start_server("0:4", None, &["--relay-max-circuits", "8"]).await;
+    let peer = relay.peer_id();
+    let target = socket_of(relay.tcp_addr().unwrap());
+    let (reserved, behind, behind_task) = ask_relay_slot(
+        format!(
+            "/ip4/127.0.0.1/tcp/{}/p2p/{peer}/p2p-circuit",
+            target.port()
+        )
+        .parse()
+        .unwrap(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(reserved, "the peer behind the relay got a slot");
+    let via = Forwarder::from_source(CROWD, target).unwrap();
+    let to_behind = |port: u16| -> Multiaddr {
+        format!("/ip4/127.0.0.1/tcp/{port}/p2p/{peer}/p2p-circuit/p2p/{behind}")
+            .parse()
+            .unwrap()
+    };
+    let mut crowd = Vec::new();
+    let mut through = 0;
+    for _ in 0..10 {
+        let (up, task) =
+            connect_through_relay(to_behind(via.addr().port()), Duration::from_secs(3)).await;
+        through += usize::from(up);
+        crowd.push(task);
+    }
+    let (honest, honest_task) =
+        connect_through_relay(to_behind(target.port()), Duration::from_secs(5)).await;
+    println!("relay with 8 circuits: a crowd of 10 identities from one host got {through} through; a client elsewhere got through: {honest}");
+    assert!(
+        honest,
+        "the client from another address was not let through"
+    );
+    assert!(
+        (1..=4).contains(&through),
+        "the crowd's host holds {through} circuits (its share: 4)"
+    );
+    for task in crowd {
+        task.abort();
+    }
+    honest_task.abort();
+    behind_task.abort();
     relay.shutdown();
 }
