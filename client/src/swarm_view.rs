@@ -41,9 +41,10 @@ const MAX_PINGED: usize = 16;
 const BAN_BASE: Duration = Duration::from_secs(2);
 const BAN_MAX: Duration = Duration::from_secs(300);
 /// Seconds per step added to the cost of servers reached at a host where a
-/// server failed, for each such failure while its ban lasts: any server
-/// elsewhere that is not far slower goes first.
-const SUSPECT_HOST_PENALTY: f64 = 10.0;
+/// server failed, or announcing what a failed server announced, for each
+/// such failure while its ban lasts: any other server that is not far
+/// slower goes first.
+const SUSPECT_PENALTY: f64 = 10.0;
 
 /// Which servers of which model a client uses (from [`SessionSettings`]).
 #[derive(Debug, Clone)]
@@ -77,6 +78,9 @@ struct ViewState {
     bans: HashMap<String, (u32, Instant)>,
     /// Hosts this client reached failed servers at -> (failures, suspect until).
     failed_hosts: HashMap<AddressGroup, (u32, Instant)>,
+    /// What failed servers announced ([`RecordShape`]) -> (failures,
+    /// suspect until): copies of one record fail alike, wherever they run.
+    failed_shapes: HashMap<RecordShape, (u32, Instant)>,
     /// Spot checks each server's output passed, by peer id: a server this
     /// client has seldom checked is checked more often.
     clean_checks: HashMap<String, u32>,
@@ -469,8 +473,8 @@ impl SwarmView {
 
     /// Bans `peer` with exponential backoff (4 s, 8 s, … at most 5 min) and
     /// refreshes the view in the background: it may have left the swarm.
-    /// The host this client reaches it at becomes suspect for as long (see
-    /// [`SUSPECT_HOST_PENALTY`]).
+    /// The host this client reaches it at, and the record it announced,
+    /// become suspect for as long (see [`SUSPECT_PENALTY`]).
     pub fn ban(&self, peer: &str) {
         let host = self.host_of(peer);
         {
@@ -479,6 +483,14 @@ impl SwarmView {
             tracing::debug!(%peer, ?lasts, "server banned");
             if let Some(host) = host {
                 backoff(state.failed_hosts.entry(host));
+            }
+            let shape = state
+                .records
+                .iter()
+                .find(|r| r.peer_id == peer)
+                .map(RecordShape::of);
+            if let Some(shape) = shape {
+                backoff(state.failed_shapes.entry(shape));
             }
         }
         self.refresh_in_background();
@@ -490,24 +502,31 @@ impl SwarmView {
         self.shared.node.sources().of(&peer).map(AddressGroup::host)
     }
 
-    /// Each usable server's penalty for sharing a host with failed servers.
+    /// Each usable server's penalty for sharing a host, or the record it
+    /// announced, with failed servers.
     fn suspicion(&self) -> HashMap<String, f64> {
         let now = Instant::now();
-        let suspect: HashMap<AddressGroup, u32> = self
-            .state()
-            .failed_hosts
-            .iter()
-            .filter(|(_, (_, until))| now < *until)
-            .map(|(host, (failures, _))| (*host, *failures))
-            .collect();
-        if suspect.is_empty() {
+        let (hosts, shapes) = {
+            let state = self.state();
+            (
+                still_suspect(&state.failed_hosts, now),
+                still_suspect(&state.failed_shapes, now),
+            )
+        };
+        if hosts.is_empty() && shapes.is_empty() {
             return HashMap::new();
         }
         self.usable_servers()
             .into_iter()
             .filter_map(|r| {
-                let failures = suspect.get(&self.host_of(&r.peer_id)?)?;
-                Some((r.peer_id, SUSPECT_HOST_PENALTY * f64::from(*failures)))
+                let by_host = self
+                    .host_of(&r.peer_id)
+                    .and_then(|host| hosts.get(&host))
+                    .copied()
+                    .unwrap_or(0);
+                let by_shape = shapes.get(&RecordShape::of(&r)).copied().unwrap_or(0);
+                let failures = by_host + by_shape;
+                (failures > 0).then(|| (r.peer_id, SUSPECT_PENALTY * f64::from(failures)))
             })
             .collect()
     }
@@ -526,6 +545,37 @@ impl SwarmView {
         let mut state = self.state();
         let count = state.clean_checks.entry(peer.to_string()).or_insert(0);
         *count = count.saturating_add(1);
+    }
+}
+
+/// The entries of `failed` still suspect at `now`, with their failures.
+fn still_suspect<K: std::hash::Hash + Eq + Clone>(
+    failed: &HashMap<K, (u32, Instant)>,
+    now: Instant,
+) -> HashMap<K, u32> {
+    failed
+        .iter()
+        .filter(|(_, (_, until))| now < *until)
+        .map(|(key, (failures, _))| (key.clone(), *failures))
+        .collect()
+}
+
+/// What a record claims, without who claims it and where: copies of one
+/// record (a crowd of fakes copying an honest server's, with a better speed)
+/// have one shape, so the first copy's failure demotes them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct RecordShape(u64);
+
+impl RecordShape {
+    fn of(r: &ServerRecord) -> Self {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&r.model, &r.fingerprint, &r.block_hashes, r.start, r.end).hash(&mut h);
+        (r.num_layers, r.hidden_size, &r.dtype, &r.version).hash(&mut h);
+        (r.throughput.to_bits(), r.prefill_throughput.to_bits()).hash(&mut h);
+        // Not the load (sessions, cache left): it changes with every announcement.
+        (r.max_length, r.max_sessions).hash(&mut h);
+        RecordShape(h.finish())
     }
 }
 

@@ -1,5 +1,6 @@
-//! Routing around servers that fail a client: a crowd of fakes on one host
-//! costs one try (the host becomes suspect, not just the identity), and a
+//! Routing around servers that fail a client: a crowd of fakes costs one
+//! try (their host, and the record they copied, become suspect, not just
+//! the identity), and a
 //! server that answers correctly but far slower than it claims is left
 //! within a few steps.
 
@@ -17,20 +18,32 @@ use super::tiny_reference::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
+    // The fakes' host becomes suspect after the first failure.
+    a_crowd_of_fakes_costs_one_try(|_| Ipv4Addr::new(127, 66, 0, 1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_of_fakes_on_many_hosts_costs_one_try() {
+    // Each fake in a network of its own (a botnet): the record they all
+    // copied becomes suspect after the first failure.
+    a_crowd_of_fakes_costs_one_try(|i| Ipv4Addr::new(127, 70 + i as u8, 0, 1)).await;
+}
+
+/// Ten copies of the honest record at a billion tokens per second, the
+/// i-th at `host(i)`: ten refusing every Open, ten answering NaN, then ten
+/// never answering a step. The client has 8 retries and a 10 s step
+/// timeout; before, it spent all retries on the crowd.
+async fn a_crowd_of_fakes_costs_one_try(host: impl Fn(usize) -> Ipv4Addr) {
     let reference = Reference::load();
     let (server, boot, honest) = server_to_copy().await;
-    // Ten copies of the honest record at a billion tokens per second, all
-    // at 127.66.0.1: ten refusing every Open, ten answering NaN, then ten
-    // never answering a step. The client has 8 retries and a 10 s step
-    // timeout; before, it spent all retries on the crowd.
     for (seed, lie) in [Lie::Busy, Lie::NotANumber, Lie::Silent]
         .into_iter()
         .enumerate()
     {
         let started_answer = Instant::now();
         let mut crowd = Vec::new();
-        for _ in 0..10 {
-            crowd.push(lying_server_at(Ipv4Addr::new(127, 66, 0, 1), &boot, &honest, lie).await);
+        for i in 0..10 {
+            crowd.push(lying_server_at(host(i), &boot, &honest, lie).await);
         }
         let fakes: Vec<PeerId> = crowd.iter().map(|(peer, _)| *peer).collect();
         let node = connect(std::slice::from_ref(&boot)).await.unwrap();
