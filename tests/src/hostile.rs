@@ -135,6 +135,36 @@ pub async fn forge_record(target: &Multiaddr, key: RecordKey, value: Vec<u8>) {
     }
 }
 
+type TestSwarm = libp2p::Swarm<corolla_shared::behaviour::Behaviour>;
+type TestEvent = SwarmEvent<corolla_shared::behaviour::BehaviourEvent>;
+
+/// Runs `swarm` in a task after `begin` (false: it could not), answering
+/// with the first verdict `judge` gives on its events, or false after
+/// `wait`. The swarm runs on until the returned task is aborted.
+async fn run_until_judged(
+    mut swarm: TestSwarm,
+    wait: Duration,
+    begin: impl FnOnce(&mut TestSwarm) -> bool + Send + 'static,
+    judge: impl Fn(&TestEvent) -> Option<bool> + Send + 'static,
+) -> (bool, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let mut answer = Some(tx);
+        if !begin(&mut swarm) {
+            let _ = answer.take().map(|tx| tx.send(false));
+            return;
+        }
+        loop {
+            let event = swarm.select_next_some().await;
+            if let Some(verdict) = judge(&event) {
+                let _ = answer.take().map(|tx| tx.send(verdict));
+            }
+        }
+    });
+    let verdict = matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(true)));
+    (verdict, task)
+}
+
 /// A fresh peer asking the relay at `circuit` (`…/p2p/<relay>/p2p-circuit`)
 /// for a slot: whether the relay granted one within `wait`, and the peer's
 /// id. The peer holds its slot, and accepts relayed connections, until the
@@ -143,39 +173,27 @@ pub async fn ask_relay_slot(
     circuit: Multiaddr,
     wait: Duration,
 ) -> (bool, PeerId, tokio::task::JoinHandle<()>) {
-    let (key, mut swarm) = swarm_reaching(
+    let (key, swarm) = swarm_reaching(
         Duration::from_secs(60),
         &NetworkLimits::client(),
         &relayed_only(),
     )
     .await;
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(async move {
-        let mut answer = Some(tx);
-        let mut answer_with = |granted: bool| {
-            if let Some(tx) = answer.take() {
-                let _ = tx.send(granted);
+    let (granted, task) = run_until_judged(
+        swarm,
+        wait,
+        |swarm| swarm.listen_on(circuit).is_ok(),
+        |event| match event {
+            SwarmEvent::NewListenAddr { address, .. }
+                if address.iter().any(|p| p == Protocol::P2pCircuit) =>
+            {
+                Some(true)
             }
-        };
-        if swarm.listen_on(circuit).is_err() {
-            answer_with(false);
-            return;
-        }
-        loop {
-            match swarm.select_next_some().await {
-                SwarmEvent::NewListenAddr { address, .. }
-                    if address.iter().any(|p| p == Protocol::P2pCircuit) =>
-                {
-                    answer_with(true)
-                }
-                SwarmEvent::ListenerClosed { .. } | SwarmEvent::ListenerError { .. } => {
-                    answer_with(false)
-                }
-                _ => {}
-            }
-        }
-    });
-    let granted = matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(true)));
+            SwarmEvent::ListenerClosed { .. } | SwarmEvent::ListenerError { .. } => Some(false),
+            _ => None,
+        },
+    )
+    .await;
     (granted, key.public().to_peer_id(), task)
 }
 
@@ -186,7 +204,7 @@ pub async fn connect_through_relay(
     target: Multiaddr,
     wait: Duration,
 ) -> (bool, tokio::task::JoinHandle<()>) {
-    let (_, mut swarm) = swarm_reaching(
+    let (_, swarm) = swarm_reaching(
         Duration::from_secs(60),
         &NetworkLimits::client(),
         &relayed_only(),
@@ -197,32 +215,19 @@ pub async fn connect_through_relay(
         Some(Protocol::P2p(peer)) => peer,
         _ => panic!("{target} names no peer"),
     };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(async move {
-        let mut answer = Some(tx);
-        let mut answer_with = |up: bool| {
-            if let Some(tx) = answer.take() {
-                let _ = tx.send(up);
-            }
-        };
-        if swarm.dial(target).is_err() {
-            answer_with(false);
-            return;
-        }
-        loop {
-            match swarm.select_next_some().await {
-                SwarmEvent::ConnectionEstablished { peer_id, .. } if peer_id == peer => {
-                    answer_with(true)
-                }
-                SwarmEvent::OutgoingConnectionError {
-                    peer_id: Some(p), ..
-                } if p == peer => answer_with(false),
-                _ => {}
-            }
-        }
-    });
-    let up = matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(true)));
-    (up, task)
+    run_until_judged(
+        swarm,
+        wait,
+        |swarm| swarm.dial(target).is_ok(),
+        move |event| match event {
+            SwarmEvent::ConnectionEstablished { peer_id, .. } if *peer_id == peer => Some(true),
+            SwarmEvent::OutgoingConnectionError {
+                peer_id: Some(p), ..
+            } if *p == peer => Some(false),
+            _ => None,
+        },
+    )
+    .await
 }
 
 /// What a lying server returns for a step.

@@ -418,19 +418,8 @@ async fn the_api_holds_more_conversations_than_one_peer_may() {
                     "model": "tiny-llama-a", "prompt": prompt, "max_tokens": 4,
                 })
                 .to_string();
-                let out = curl(&[
-                    "-s",
-                    "-H",
-                    &format!("Authorization: Bearer {KEY}"),
-                    "-H",
-                    "Content-Type: application/json",
-                    "-d",
-                    &body,
-                    "-w",
-                    "\n%{http_code}",
-                    &format!("{}/completions", api.base),
-                ]);
-                assert!(out.ends_with("\n200"), "{out}");
+                let (status, out) = post_completion(&api, &body);
+                assert_eq!(status, "200", "{out}");
             }
             // Kept conversations keep their sessions; closes are read soon.
             std::thread::sleep(Duration::from_millis(500));
@@ -516,21 +505,9 @@ fn the_api_bounds_its_connections_header_time_and_tokens() {
         "max_tokens": 17,
     })
     .to_string();
-    let out = curl(&[
-        "-s",
-        "-H",
-        &auth,
-        "-H",
-        "Content-Type: application/json",
-        "-d",
-        &body,
-        "-w",
-        "\n%{http_code}",
-        &format!("{}/completions", api.base),
-    ]);
-    let (json, status) = out.rsplit_once('\n').expect("a status line");
-    assert_eq!(status, "400", "{out}");
-    let json: Value = serde_json::from_str(json).expect("a JSON error");
+    let (status, json) = post_completion(&api, &body);
+    assert_eq!(status, "400", "{json}");
+    let json: Value = serde_json::from_str(&json).expect("a JSON error");
     assert_eq!(json["error"]["code"], "bad_request", "{json}");
     assert!(
         json["error"]["message"]
@@ -540,6 +517,24 @@ fn the_api_bounds_its_connections_header_time_and_tokens() {
         "{json}"
     );
     println!("API bounds: 9th connection closed, 8 idle sockets closed after {closed_after:?}");
+}
+
+/// POSTs `body` to the API's `/completions`: the HTTP status and the body.
+fn post_completion(api: &Api, body: &str) -> (String, String) {
+    let out = curl(&[
+        "-s",
+        "-H",
+        &format!("Authorization: Bearer {KEY}"),
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+        "-w",
+        "\n%{http_code}",
+        &format!("{}/completions", api.base),
+    ]);
+    let (json, status) = out.rsplit_once('\n').expect("a status line");
+    (status.to_string(), json.to_string())
 }
 
 fn curl(args: &[&str]) -> String {
