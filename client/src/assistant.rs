@@ -379,7 +379,7 @@ impl Blocks {
         let view = SwarmView::new(node, &sessions);
         Ok(Blocks {
             place: Place::Swarm {
-                identities: Identities::new(view, []),
+                identities: Identities::new(view),
                 sessions: Box::new(sessions),
             },
             device: device.clone(),

@@ -47,12 +47,11 @@ impl Drop for Lease {
 }
 
 impl Identities {
-    /// `first` and then `more` (the views of further identities).
-    pub(crate) fn new(first: SwarmView, more: impl IntoIterator<Item = SwarmView>) -> Self {
+    /// One identity, seen through `first`.
+    pub(crate) fn new(first: SwarmView) -> Self {
         Identities {
             members: vec![Member::new(first)],
         }
-        .extended(more)
     }
 
     pub(crate) fn extended(mut self, more: impl IntoIterator<Item = SwarmView>) -> Self {

@@ -130,9 +130,20 @@ impl CircuitShares {
                         .push(groups);
                 }
             }
-            relay::Event::CircuitReqDenied { src_peer_id, .. }
-            | relay::Event::CircuitReqDenyFailed { src_peer_id, .. }
-            | relay::Event::CircuitReqOutboundConnectFailed { src_peer_id, .. }
+            // A limit's refusal (this one's or the relay's own, all checked
+            // before a circuit is admitted) ends a request that was never
+            // counted: it must not free the place of one the same peer has
+            // in set-up, or a peer could hide its circuits by asking twice.
+            // A refusal whose cause is unknown (DenyFailed) frees nothing;
+            // the set-up then stops counting after SETUP_WITHIN.
+            relay::Event::CircuitReqDenied {
+                src_peer_id,
+                status,
+                ..
+            } if !matches!(status, relay::StatusCode::ResourceLimitExceeded) => {
+                counts.take_setting_up(*src_peer_id);
+            }
+            relay::Event::CircuitReqOutboundConnectFailed { src_peer_id, .. }
             | relay::Event::CircuitReqAcceptFailed { src_peer_id, .. } => {
                 counts.take_setting_up(*src_peer_id);
             }
@@ -297,6 +308,14 @@ mod tests {
             status: relay::StatusCode::NoReservation,
         });
         assert!(shares.admit(crowd[7], &at("6.6.6.6"), now));
+        assert!(!shares.admit(PeerId::random(), &at("6.6.6.6"), now));
+        // A second request refused for a limit does not free the place of
+        // the peer's circuit in set-up.
+        shares.on_event(&relay::Event::CircuitReqDenied {
+            src_peer_id: crowd[7],
+            dst_peer_id: dst,
+            status: relay::StatusCode::ResourceLimitExceeded,
+        });
         assert!(!shares.admit(PeerId::random(), &at("6.6.6.6"), now));
         shares.on_event(&relay::Event::CircuitClosed {
             src_peer_id: admitted[0],

@@ -105,7 +105,8 @@ struct ApiArgs {
     /// Peer ids the API speaks to the swarm as (each a node of its own):
     /// servers grant one peer a quarter of their sessions, so answers at
     /// once beyond that need more identities (at most 16).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=16))]
+    #[arg(long, default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(1..=crate::identities::MAX_IDENTITIES as i64))]
     identities: u16,
     /// The longest draft a step checks (prompt lookup); 0: one token per step.
     #[arg(long, default_value_t = crate::DEFAULT_DRAFTS)]
