@@ -24,6 +24,7 @@ pub mod head;
 mod linear;
 #[cfg(feature = "generators")]
 mod model_shape;
+mod pool;
 mod quant;
 pub mod quantized_buffer;
 #[cfg(feature = "generators")]

@@ -65,6 +65,21 @@ impl Linear {
         Ok(Linear::Quantized { weight, bias })
     }
 
+    /// The layer with a quantized weight repacked for batches where its
+    /// format has such kernels (see [`QuantMatrix::interleaved`]).
+    pub fn interleaved(self) -> Result<Self> {
+        Ok(match self {
+            Linear::Quantized {
+                weight: QuantizedWeight::Blocks(matrix),
+                bias,
+            } => Linear::Quantized {
+                weight: QuantizedWeight::Blocks(matrix.interleaved()?),
+                bias,
+            },
+            other => other,
+        })
+    }
+
     /// Loads `weight` (`[out_dim, in_dim]`) and, if asked, `bias` under `w`.
     pub fn load(w: &Weights, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
         let bias = if bias {
@@ -115,7 +130,8 @@ impl Linear {
 
 /// `N` projections of one input (Q, K and V; gate and up). Quantized ones
 /// that share a format are stacked into one matrix: one pass over the input
-/// and one dispatch to the thread pool instead of `N`.
+/// and one dispatch to the thread pool instead of `N`. Their weights are
+/// repacked for batches ([`Linear::interleaved`]).
 #[derive(Debug, Clone)]
 pub(crate) enum Projections<const N: usize> {
     Stacked { linear: Linear, widths: [usize; N] },
@@ -155,14 +171,20 @@ impl<const N: usize> Projections<N> {
                 let widths = std::array::from_fn(|i| matrices[i].rows());
                 return Ok(Projections::Stacked {
                     linear: Linear::Quantized {
-                        weight: QuantizedWeight::Blocks(stacked),
+                        weight: QuantizedWeight::Blocks(stacked.interleaved()?),
                         bias,
                     },
                     widths,
                 });
             }
         }
-        Ok(Projections::Separate(parts))
+        let parts: Vec<Linear> = parts
+            .into_iter()
+            .map(Linear::interleaved)
+            .collect::<Result<_>>()?;
+        Ok(Projections::Separate(parts.try_into().unwrap_or_else(
+            |_| unreachable!("one layer per projection"),
+        )))
     }
 
     /// Each projection of `x`, in the order they were given.

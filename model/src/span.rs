@@ -45,7 +45,7 @@ impl Attention {
                 linear(w, "k_proj", nkv * hd, h, qkv_bias)?,
                 linear(w, "v_proj", nkv * hd, h, qkv_bias)?,
             ])?,
-            o_proj: linear(w, "o_proj", h, nh * hd, o_bias)?,
+            o_proj: linear(w, "o_proj", h, nh * hd, o_bias)?.interleaved()?,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
@@ -182,7 +182,7 @@ impl Mlp {
                 linear(w, "gate_proj", i, h, bias)?,
                 linear(w, "up_proj", i, h, bias)?,
             ])?,
-            down_proj: linear(w, "down_proj", h, i, bias)?,
+            down_proj: linear(w, "down_proj", h, i, bias)?.interleaved()?,
         })
     }
 
@@ -456,6 +456,15 @@ impl BlockSpan {
         start: usize,
         cache: &mut SessionCache,
     ) -> Result<Tensor> {
+        crate::pool::on_pool(|| self.forward_here(hidden, start, cache))
+    }
+
+    fn forward_here(
+        &self,
+        hidden: &Tensor,
+        start: usize,
+        cache: &mut SessionCache,
+    ) -> Result<Tensor> {
         self.check_step(hidden.dims(), start, cache)?;
         let t = hidden.dim(1)?;
         if t == 1 && decode_attention::supported(self.dtype, &self.device) {
@@ -491,6 +500,13 @@ impl BlockSpan {
     /// against its own cache at its own position. Every cache must serve the
     /// same layers. Returns each session's `[1, 1, hidden]` output, in order.
     pub fn forward_decode_batch(
+        &self,
+        steps: &mut [(Tensor, usize, &mut SessionCache)],
+    ) -> Result<Vec<Tensor>> {
+        crate::pool::on_pool(|| self.forward_decode_batch_here(steps))
+    }
+
+    fn forward_decode_batch_here(
         &self,
         steps: &mut [(Tensor, usize, &mut SessionCache)],
     ) -> Result<Vec<Tensor>> {

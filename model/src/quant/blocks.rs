@@ -12,6 +12,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
 use super::dot;
+use super::interleaved::InterleavedQ4_1;
 use super::parallel::{self, Kernels};
 use crate::error::{ModelError, Result};
 
@@ -98,6 +99,18 @@ impl QuantBlocks {
         }
         let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, format)?;
         Self::new(Arc::new(QTensor::new(storage, (rows, cols))?))
+    }
+
+    /// The blocks repacked for batches, when their format has such kernels.
+    pub fn interleaved(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ4_1>> {
+        if self.format() != GgmlDType::Q4_1 {
+            return Ok(None);
+        }
+        Ok(Some(InterleavedQ4_1::new(
+            &self.tensor.data()?,
+            rows,
+            cols,
+        )?))
     }
 
     pub fn matmul(&self, shape: parallel::Shape, input: &[f32], out: &mut [f32]) -> Result<()> {

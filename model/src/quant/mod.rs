@@ -6,13 +6,17 @@
 //! a weight row is read from memory once per step however many sessions
 //! share it; the weight rows are split over the thread pool.
 //! [`QuantMatrix::concat`] stacks projections that read the same input (Q, K
-//! and V; gate and up) so they cost one pass and one dispatch.
+//! and V; gate and up) so they cost one pass and one dispatch, and
+//! [`QuantMatrix::interleaved`] repacks a span's Q4_1 weights for batches
+//! ([`interleaved`]).
 
 mod blocks;
 mod dot;
+mod interleaved;
 mod parallel;
 
 pub(crate) use blocks::QuantBlocks;
+use interleaved::InterleavedQ4_1;
 
 use std::sync::Arc;
 
@@ -26,7 +30,15 @@ use crate::error::{ModelError, Result};
 pub(crate) struct QuantMatrix {
     rows: usize,
     cols: usize,
-    blocks: QuantBlocks,
+    weights: Layout,
+}
+
+#[derive(Debug, Clone)]
+enum Layout {
+    /// As GGUF stores them (in place in candle's storage).
+    Blocks(QuantBlocks),
+    /// Repacked for batches.
+    Interleaved(Arc<InterleavedQ4_1>),
 }
 
 impl QuantMatrix {
@@ -48,11 +60,34 @@ impl QuantMatrix {
                 blocks.len()
             )));
         }
-        Ok(Some(QuantMatrix { rows, cols, blocks }))
+        Ok(Some(QuantMatrix {
+            rows,
+            cols,
+            weights: Layout::Blocks(blocks),
+        }))
+    }
+
+    /// The matrix with its weights repacked eight rows to a group where the
+    /// format has such kernels (Q4_1), which multiply a batch's rows 2-3x
+    /// faster. The repacked copy replaces the blocks (which are dropped);
+    /// it is for a span's weights, not for a head that shares its table with
+    /// the embeddings (a second copy of the largest matrix).
+    pub fn interleaved(self) -> Result<Self> {
+        let Layout::Blocks(blocks) = &self.weights else {
+            return Ok(self);
+        };
+        Ok(match blocks.interleaved(self.rows, self.cols)? {
+            Some(interleaved) => QuantMatrix {
+                weights: Layout::Interleaved(Arc::new(interleaved)),
+                ..self
+            },
+            None => self,
+        })
     }
 
     /// The matrices stacked by rows (one product computes all their
-    /// outputs, in order), when they share a format and a width.
+    /// outputs, in order), when they share a format and a width and are
+    /// not yet repacked.
     pub fn concat(parts: &[&QuantMatrix]) -> Result<Option<QuantMatrix>> {
         let Some(first) = parts.first() else {
             return Ok(None);
@@ -61,12 +96,21 @@ impl QuantMatrix {
             return Ok(None);
         }
         let rows = parts.iter().map(|p| p.rows).sum();
-        let blocks: Vec<&QuantBlocks> = parts.iter().map(|p| &p.blocks).collect();
+        let blocks: Option<Vec<&QuantBlocks>> = parts
+            .iter()
+            .map(|p| match &p.weights {
+                Layout::Blocks(blocks) => Some(blocks),
+                Layout::Interleaved(_) => None,
+            })
+            .collect();
+        let Some(blocks) = blocks else {
+            return Ok(None);
+        };
         Ok(
             QuantBlocks::concat(&blocks, rows, first.cols)?.map(|blocks| QuantMatrix {
                 rows,
                 cols: first.cols,
-                blocks,
+                weights: Layout::Blocks(blocks),
             }),
         )
     }
@@ -111,7 +155,13 @@ impl QuantMatrix {
         // The kernels write `out` through a raw pointer: real checks.
         assert_eq!(input.len(), batch * self.cols, "input of the wrong size");
         assert_eq!(out.len(), batch * self.rows, "output of the wrong size");
-        self.blocks.matmul(self.shape(batch), input, out)
+        match &self.weights {
+            Layout::Interleaved(interleaved) => {
+                interleaved.matmul(self.shape(batch), input, out);
+                Ok(())
+            }
+            Layout::Blocks(blocks) => blocks.matmul(self.shape(batch), input, out),
+        }
     }
 }
 

@@ -123,28 +123,40 @@ pub(crate) fn matmul<T: GgmlType>(
             }
         }
     };
+    split(rows.div_ceil(ROW_GRAIN), rows * cols * batch, |grains| {
+        run(grains.start * ROW_GRAIN..(grains.end * ROW_GRAIN).min(rows))
+    });
+}
+
+/// Runs `run` over `0..units` split in ranges over the thread pool, or on
+/// the calling thread when `work` (weight values times rows) is too little
+/// to pay for waking the pool.
+pub(crate) fn split(units: usize, work: usize, run: impl Fn(std::ops::Range<usize>) + Sync + Send) {
     let threads = pool_threads();
-    if threads <= 1 || rows * cols * batch < PARALLEL_MIN_WORK {
-        run(0..rows);
+    if threads <= 1 || work < PARALLEL_MIN_WORK {
+        run(0..units);
         return;
     }
     // A few items per thread: the caller's thread takes them too, so a
     // worker that the OS delays (other processes share these cores) costs
     // one item, not its whole half.
-    let items = (threads * 4).min(rows.div_ceil(ROW_GRAIN)).max(1);
-    let per_item = rows.div_ceil(items).next_multiple_of(ROW_GRAIN);
-    run_items(rows.div_ceil(per_item), |item| {
-        run(item * per_item..((item + 1) * per_item).min(rows))
+    let items = (threads * 4).min(units).max(1);
+    let per_item = units.div_ceil(items);
+    run_items(units.div_ceil(per_item), |item| {
+        run(item * per_item..((item + 1) * per_item).min(units))
     });
 }
 
+/// Where the work items write their outputs.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub *mut f32);
 // SAFETY: work items write disjoint elements (see `matmul`).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 impl OutPtr {
-    unsafe fn write(self, index: usize, value: f32) {
+    /// # Safety
+    /// `index` lies inside the output, and no other item writes it.
+    pub unsafe fn write(self, index: usize, value: f32) {
         *self.0.add(index) = value;
     }
 }

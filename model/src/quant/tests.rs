@@ -10,7 +10,10 @@ use super::QuantMatrix;
 fn reference(m: &QuantMatrix, x: &Tensor) -> Tensor {
     let batch = x.dim(0).unwrap();
     let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let out = m.blocks.reference(m.shape(batch), &xs);
+    let super::Layout::Blocks(blocks) = &m.weights else {
+        panic!("the reference reads the blocks as stored");
+    };
+    let out = blocks.reference(m.shape(batch), &xs);
     Tensor::from_vec(out, (batch, m.rows), &Device::Cpu).unwrap()
 }
 
@@ -74,28 +77,26 @@ fn products_match_candle_and_the_float_product() {
             let ours = matrix(&q);
             let dense = q.dequantize(&Device::Cpu).unwrap();
             let candle = QMatMul::from_arc(q).unwrap();
+            let interleaved = ours.clone().interleaved().unwrap();
             for batch in [1, 3, 6, 16] {
                 let x = random((batch, cols), batch as u64 + 7);
-                let got = ours.forward(&x).unwrap();
                 let want = candle.forward(&x).unwrap();
                 let exact = reference(&ours, &x);
                 let float = x.matmul(&dense.t().unwrap()).unwrap();
                 let scale = max_abs_diff(&float, &float.zeros_like().unwrap());
-                let vs_reference = max_abs_diff(&got, &exact) / scale;
-                let vs_candle = max_abs_diff(&got, &want) / scale;
-                let vs_float = max_abs_diff(&got, &float) / scale;
-                assert!(
-                    vs_reference < 1e-5,
-                    "{format:?} {rows}x{cols} batch {batch}: {vs_reference} from the reference"
-                );
-                assert!(
-                    vs_candle < 0.02,
-                    "{format:?} {rows}x{cols} batch {batch}: {vs_candle} from candle's"
-                );
-                assert!(
-                    vs_float < 0.03,
-                    "{format:?} {rows}x{cols} batch {batch}: {vs_float} from the float product"
-                );
+                for (layout, m) in [("as stored", &ours), ("interleaved", &interleaved)] {
+                    let got = m.forward(&x).unwrap();
+                    let vs_reference = max_abs_diff(&got, &exact) / scale;
+                    let vs_candle = max_abs_diff(&got, &want) / scale;
+                    let vs_float = max_abs_diff(&got, &float) / scale;
+                    let case = format!("{format:?} {layout} {rows}x{cols} batch {batch}");
+                    assert!(
+                        vs_reference < 1e-5,
+                        "{case}: {vs_reference} from the reference"
+                    );
+                    assert!(vs_candle < 0.02, "{case}: {vs_candle} from candle's");
+                    assert!(vs_float < 0.03, "{case}: {vs_float} from the float product");
+                }
             }
         }
     }
@@ -144,8 +145,13 @@ fn a_wrong_width_is_refused() {
 fn each_row_of_a_batch_is_the_row_alone_bit_for_bit() {
     for format in FORMATS {
         for (rows, cols) in [(43, 256), (1536, 512)] {
-            let m = matrix(&quantize(&random((rows, cols), 3), format));
-            for batch in [2, 4, 5, 7, 16] {
+            let stored = matrix(&quantize(&random((rows, cols), 3), format));
+            for (m, batch) in [2, 4, 5, 7, 16].into_iter().flat_map(|b| {
+                [
+                    (stored.clone(), b),
+                    (stored.clone().interleaved().unwrap(), b),
+                ]
+            }) {
                 let x = random((batch, cols), batch as u64 + 11);
                 let together = m.forward(&x).unwrap();
                 for r in 0..batch {

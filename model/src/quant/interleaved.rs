@@ -1,0 +1,283 @@
+//! Q4_1 weights repacked eight rows to a group, as llama.cpp repacks Q4
+//! weights for batches: one vector holds the same four values of eight
+//! weight rows, so an activation's four bytes, broadcast, meet eight rows at
+//! once and a block's eight sums come out in the lanes of one register with
+//! no horizontal adds. The unpacked nibbles of a group's block serve up to
+//! four activation rows (a batch's sessions) before the next block.
+//!
+//! Every output is computed in one order whatever the kernel or the batch:
+//! a block's integer sum (exact), then `acc = fma(d_w * d_x, sum, acc)` and
+//! `acc = fma(m_w, s_x, acc)`, block after block. So a session's numbers do
+//! not depend on who shares its step, nor on whether the machine has AVX2
+//! (the portable kernel gives the same bits): a replacement server on
+//! another CPU continues an answer exactly.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+use half::f16;
+
+use super::parallel::{self, OutPtr, Shape};
+use crate::error::{ModelError, Result};
+
+/// Weight rows per group: the f32 lanes of a 256-bit register.
+pub(crate) const GROUP: usize = 8;
+/// Values per block.
+pub(crate) const BLOCK: usize = 32;
+/// A Q4_1 block as GGUF stores it: `d`, `m` (f16), 16 bytes of nibbles.
+const Q4_1_BYTES: usize = 20;
+/// One block of a group: eight `d`s, eight `m`s (f16), then four chunks of
+/// 32 bytes; chunk `c` holds bytes `4c..4c + 4` of each row's nibbles, row
+/// after row (their low nibbles are values `4c..4c + 4`, their high ones
+/// values `16 + 4c..16 + 4c + 4`).
+pub(crate) const GROUP_BLOCK_BYTES: usize = 4 * GROUP + 4 * 32;
+/// Activation rows a kernel call takes.
+pub(crate) const MAX_ACTIVATIONS: usize = 4;
+
+/// A Q4_1 matrix `[rows, cols]` in groups of eight rows (the last group
+/// padded with zero rows).
+#[derive(Debug, Clone)]
+pub(crate) struct InterleavedQ4_1 {
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+}
+
+/// One activation row, quantized: 32 values a block, and each block's `d`
+/// and `s`.
+#[derive(Clone, Copy)]
+pub(crate) struct ActivationRow<'a> {
+    pub values: &'a [i8],
+    pub scales: &'a [f32],
+}
+
+/// Multiplies one group of weight rows by up to [`MAX_ACTIVATIONS`]
+/// activation rows: `out[r][j]` is weight row `j` of the group times row `r`.
+type GroupKernel = fn(per_row: usize, group: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
+
+impl InterleavedQ4_1 {
+    /// Repacks `bytes`, `rows` rows of `cols` values in Q4_1 blocks.
+    pub fn new(bytes: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        let per_row = cols / BLOCK;
+        if !cols.is_multiple_of(BLOCK) || bytes.len() != rows * per_row * Q4_1_BYTES {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} bytes are not a {rows}x{cols} Q4_1 matrix",
+                bytes.len()
+            )));
+        }
+        let groups = rows.div_ceil(GROUP);
+        let mut packed = vec![0u8; groups * per_row * GROUP_BLOCK_BYTES];
+        for (g, group) in packed
+            .chunks_exact_mut(per_row * GROUP_BLOCK_BYTES)
+            .enumerate()
+        {
+            for (b, dst) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
+                for j in 0..GROUP.min(rows - g * GROUP) {
+                    let at = ((g * GROUP + j) * per_row + b) * Q4_1_BYTES;
+                    let src = &bytes[at..at + Q4_1_BYTES];
+                    dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
+                    dst[2 * GROUP + 2 * j..2 * GROUP + 2 * j + 2].copy_from_slice(&src[2..4]);
+                    for c in 0..4 {
+                        let to = 4 * GROUP + 32 * c + 4 * j;
+                        dst[to..to + 4].copy_from_slice(&src[4 + 4 * c..8 + 4 * c]);
+                    }
+                }
+            }
+        }
+        Ok(InterleavedQ4_1 {
+            rows,
+            cols,
+            bytes: packed,
+        })
+    }
+
+    /// `out[r * rows + o] = dot(weight row o, input row r)`.
+    pub fn matmul(&self, shape: Shape, input: &[f32], out: &mut [f32]) {
+        self.matmul_with(kernel(), quantizer(), shape, input, out)
+    }
+
+    fn matmul_with(
+        &self,
+        kernel: GroupKernel,
+        quantize: Quantizer,
+        shape: Shape,
+        input: &[f32],
+        out: &mut [f32],
+    ) {
+        let Shape { rows, cols, batch } = shape;
+        debug_assert_eq!((rows, cols), (self.rows, self.cols));
+        let per_row = cols / BLOCK;
+        let quantized = Activations::new(input, batch * per_row, quantize);
+        let activations: Vec<ActivationRow> =
+            (0..batch).map(|r| quantized.row(r, per_row)).collect();
+        let group_bytes = per_row * GROUP_BLOCK_BYTES;
+        let out_ptr = OutPtr(out.as_mut_ptr());
+        let run = |groups: std::ops::Range<usize>| {
+            let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS];
+            for g in groups {
+                let weights = &self.bytes[g * group_bytes..(g + 1) * group_bytes];
+                let valid = GROUP.min(rows - g * GROUP);
+                for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
+                    kernel(per_row, weights, xs, &mut sums[..xs.len()]);
+                    for (k, lanes) in sums[..xs.len()].iter().enumerate() {
+                        let r = tile * MAX_ACTIVATIONS + k;
+                        for (j, &value) in lanes[..valid].iter().enumerate() {
+                            // SAFETY: each (r, o) is written by exactly one
+                            // work item, and r * rows + o < batch * rows.
+                            unsafe { out_ptr.write(r * rows + g * GROUP + j, value) };
+                        }
+                    }
+                }
+            }
+        };
+        let groups = rows.div_ceil(GROUP);
+        parallel::split(groups, rows * cols * batch, run);
+    }
+}
+
+/// Activation rows rounded to 8 bits per block of 32 as llama.cpp's Q8_1
+/// does (`d` = the block's largest magnitude / 127, `s` = `d` × the sum of
+/// its values, in f16 as candle computes them), rounding halves to even in
+/// every kernel.
+struct Activations {
+    values: Vec<i8>,
+    /// `d` and `s` of each block, as f32.
+    scales: Vec<f32>,
+}
+
+impl Activations {
+    fn new(input: &[f32], blocks: usize, quantize: Quantizer) -> Self {
+        let mut values = vec![0i8; blocks * BLOCK];
+        let mut scales = vec![0f32; blocks * 2];
+        for ((x, q), scale) in input
+            .chunks_exact(BLOCK)
+            .zip(values.chunks_exact_mut(BLOCK))
+            .zip(scales.chunks_exact_mut(2))
+        {
+            let (d, sum) = quantize(x, q);
+            let d = f16::from_f32(d);
+            scale[0] = d.to_f32();
+            scale[1] = (f16::from_f32(sum as f32) * d).to_f32();
+        }
+        Activations { values, scales }
+    }
+
+    fn row(&self, r: usize, per_row: usize) -> ActivationRow<'_> {
+        ActivationRow {
+            values: &self.values[r * per_row * BLOCK..(r + 1) * per_row * BLOCK],
+            scales: &self.scales[r * per_row * 2..(r + 1) * per_row * 2],
+        }
+    }
+}
+
+/// Rounds a block of 32 values to `q` (as `round(x / d)`), returning `d`
+/// and the sum of `q`.
+type Quantizer = fn(x: &[f32], q: &mut [i8]) -> (f32, i32);
+
+fn quantizer() -> Quantizer {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        return avx2::quantize_block;
+    }
+    quantize_block
+}
+
+fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0;
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = (v * id).round_ties_even() as i8;
+        sum += *q as i32;
+    }
+    (d, sum)
+}
+
+fn half_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_ne_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// The fastest kernel this CPU runs (all give the same bits).
+fn kernel() -> GroupKernel {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        return avx2::group;
+    }
+    portable
+}
+
+/// The kernels' arithmetic in plain Rust, for CPUs without AVX2 and wasm.
+fn portable(per_row: usize, group: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
+    for (x, out) in xs.iter().zip(out.iter_mut()) {
+        *out = [0.0; GROUP];
+        for b in 0..per_row {
+            let block = &group[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+            let activations = &x.values[b * BLOCK..(b + 1) * BLOCK];
+            let (dx, sx) = (x.scales[2 * b], x.scales[2 * b + 1]);
+            for (j, acc) in out.iter_mut().enumerate() {
+                let mut sum = 0i32;
+                for c in 0..4 {
+                    for t in 0..4 {
+                        let byte = block[4 * GROUP + 32 * c + 4 * j + t];
+                        let low = activations[4 * c + t] as i32;
+                        let high = activations[16 + 4 * c + t] as i32;
+                        sum += (byte & 0x0f) as i32 * low + (byte >> 4) as i32 * high;
+                    }
+                }
+                let dw = half_at(block, 2 * j);
+                let mw = half_at(block, 2 * GROUP + 2 * j);
+                *acc = (dw * dx).mul_add(sum as f32, *acc);
+                *acc = mw.mul_add(sx, *acc);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector kernel and the portable one agree bit for bit (a server
+    /// without AVX2 continues another's answer exactly).
+    #[test]
+    fn the_kernels_give_the_same_bits() {
+        let (rows, cols) = (43, 256);
+        let weights: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1013) as f32 / 506.5 - 1.0)
+            .collect();
+        use candle_core::quantized::k_quants::{BlockQ4_1, GgmlType};
+        let mut blocks = vec![BlockQ4_1::zeros(); rows * cols / 32];
+        BlockQ4_1::from_float(&weights, &mut blocks);
+        // SAFETY: as for the activations in `matmul_with`.
+        let bytes: &[u8] = unsafe {
+            std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len() * Q4_1_BYTES)
+        };
+        let matrix = InterleavedQ4_1::new(bytes, rows, cols).unwrap();
+        // Rows of halves too: with 127 in each block, `d` is 1 and every
+        // other value a tie to round.
+        let halves = |i: usize| match i % BLOCK {
+            0 => 127.0,
+            _ => ((i * 7) % 251) as f32 - 125.5,
+        };
+        for (batch, ties) in [(1, false), (3, false), (4, false), (9, false), (5, true)] {
+            let input: Vec<f32> = (0..batch * cols)
+                .map(|i| match ties {
+                    true => halves(i),
+                    false => ((i * 104729) % 2017) as f32 / 1008.5 - 1.0,
+                })
+                .collect();
+            let shape = Shape { rows, cols, batch };
+            let mut fast = vec![0f32; batch * rows];
+            let mut plain = vec![0f32; batch * rows];
+            matrix.matmul_with(kernel(), quantizer(), shape, &input, &mut fast);
+            matrix.matmul_with(portable, quantize_block, shape, &input, &mut plain);
+            let differ = fast
+                .iter()
+                .zip(&plain)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(differ, 0, "batch {batch}: {differ} outputs differ");
+        }
+    }
+}
