@@ -193,10 +193,8 @@ impl ClientHead {
 
     /// Logits for every position: `[1, T, hidden]` -> `[1, T, vocab]` in f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        crate::pool::on_pool(|| {
-            let normed = self.final_norm(hidden)?;
-            Ok(self.lm_head.forward(&normed)?.to_dtype(DType::F32)?)
-        })
+        let normed = self.final_norm(hidden)?;
+        Ok(self.lm_head.forward(&normed)?.to_dtype(DType::F32)?)
     }
 
     /// Logits of the last position only, as a `[vocab]` f32 vector.
