@@ -1,6 +1,7 @@
 //! Shared helpers for the cross-crate tests: fixture paths, the reference
 //! outputs computed by Hugging Face transformers, and error measures.
 
+pub mod batching_bench;
 pub mod browser;
 pub mod compute_bench;
 pub mod forwarder;
@@ -12,6 +13,12 @@ pub mod span_batching;
 pub mod wan;
 pub mod wan_bench;
 pub mod wire_quality;
+
+/// The median of `v` (NaN when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::median;
 use corolla_model::config::LlamaConfig;
 use corolla_model::random_gguf::{write_random_gguf, ModelShape, RandomGguf, WeightQuant};
 use corolla_model::{
@@ -42,11 +43,6 @@ impl SpanBatching {
         };
         batch as f64 * ms(1) / ms(batch)
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn hidden_row(width: usize, seed: usize) -> candle_core::Result<Tensor> {

@@ -22,6 +22,8 @@ use corolla_model::random::write_random_checkpoint;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
 use corolla_server::{RunningServer, Server, ServerArgs};
 use corolla_shared::WireDType;
+use corolla_tests::batching_bench::{bench_batching, BATCHING_HEADING};
+use corolla_tests::median;
 
 const NOTES: &str = "Notes: this machine has 2 noisy cores, and the servers, the client and the
 local baseline all share them in one process. Across runs the swarm/local
@@ -29,18 +31,50 @@ ratio has ranged from 0.84 to 0.94 (this run: see above); each hop costs a
 few hundred microseconds (framing, noise, yamux, a thread hand-off to the
 compute pool and back).";
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// What to measure: everything (no section flag, the whole report), or one
+/// section written into an existing report.
+#[derive(clap::Parser)]
+#[command(
+    name = "corolla-bench",
+    about = "Corolla's benchmarks, side by side in one run"
+)]
+struct BenchArgs {
+    /// Rounds after a warm-up [default: 5; 3 for --wan and --only-chat].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// New tokens of each generation [default: 128; 8 for the quality sections].
+    #[arg(long)]
+    new_tokens: Option<usize>,
+    /// Prompts of the quality sections.
+    #[arg(long, default_value_t = 100)]
+    prompts: usize,
+    /// Writes the figures into this report (a section replaces its own).
+    #[arg(long, value_name = "FILE")]
+    write: Option<String>,
+    /// The page tests' figures in DIR, as a section.
+    #[arg(long, value_name = "DIR", group = "section")]
+    page_figures: Option<std::path::PathBuf>,
+    /// What f16 and 8-bit activations on the wire do to the default model's answers.
+    #[arg(long, group = "section")]
+    wire_quality: bool,
+    /// The default model's decode speed, kept quantized and dequantized, against llama.cpp.
+    #[arg(long, group = "section")]
+    compute: bool,
+    /// The default GGUF kept quantized against dequantized.
+    #[arg(long, group = "section")]
+    quantization_quality: bool,
+    /// As root: the CLI through servers in network namespaces over delayed links.
+    #[arg(long, group = "section")]
+    wan: bool,
+    /// Chat turns' time to first token.
+    #[arg(long, group = "section")]
+    only_chat: bool,
+    /// One server, many sessions.
+    #[arg(long, group = "section")]
+    only_batching: bool,
+    /// Swarm vs local on the bench model.
+    #[arg(long, group = "section")]
+    only_swarm: bool,
 }
 
 async fn start(model: &str, blocks: String, join: Option<String>) -> RunningServer {
@@ -114,31 +148,23 @@ async fn main() -> anyhow::Result<()> {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "2");
     }
-    let args: Vec<String> = std::env::args().collect();
-    let write_to = args
-        .iter()
-        .position(|a| a == "--write")
-        .and_then(|i| args.get(i + 1))
-        .cloned();
-    if let Some(dir) = args
-        .iter()
-        .position(|a| a == "--page-figures")
-        .and_then(|i| args.get(i + 1))
-    {
+    let cli = <BenchArgs as clap::Parser>::parse();
+    let write_to = cli.write.clone();
+    if let Some(dir) = &cli.page_figures {
         // Figures the Chromium tests measured, as a section of the report.
         use corolla_tests::page_figures::{page_section, PAGE_HEADING};
-        let section = page_section(std::path::Path::new(dir))?;
+        let section = page_section(dir)?;
         println!("{section}");
         if let Some(file) = write_to {
             write_section(&file, PAGE_HEADING, &section)?;
         }
         return Ok(());
     }
-    if args.iter().any(|a| a == "--wire-quality") {
+    if cli.wire_quality {
         use corolla_tests::wire_quality::{wire_quality_section, WIRE_QUALITY_HEADING};
         let model = corolla_tests::default_model()
             .ok_or_else(|| anyhow::anyhow!("--wire-quality needs the default model"))?;
-        let (prompts, new_tokens) = (arg("--prompts", 100), arg("--new-tokens", 8));
+        let (prompts, new_tokens) = (cli.prompts, cli.new_tokens.unwrap_or(8));
         let section =
             tokio::task::spawn_blocking(move || wire_quality_section(&model, prompts, new_tokens))
                 .await??;
@@ -148,8 +174,9 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if args.iter().any(|a| a == "--compute") {
-        let section = bench_compute_section(arg("--rounds", 5), arg("--new-tokens", 128)).await?;
+    if cli.compute {
+        let section =
+            bench_compute_section(cli.rounds.unwrap_or(5), cli.new_tokens.unwrap_or(128)).await?;
         println!("{section}");
         if let Some(file) = write_to {
             use corolla_tests::compute_bench::COMPUTE_HEADING;
@@ -157,11 +184,11 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if args.iter().any(|a| a == "--quantization-quality") {
+    if cli.quantization_quality {
         use corolla_tests::wire_quality::{kept_quantized_section, KEPT_QUANTIZED_HEADING};
         let model = corolla_tests::default_model()
             .ok_or_else(|| anyhow::anyhow!("--quantization-quality needs the default model"))?;
-        let (prompts, new_tokens) = (arg("--prompts", 100), arg("--new-tokens", 8));
+        let (prompts, new_tokens) = (cli.prompts, cli.new_tokens.unwrap_or(8));
         let section = tokio::task::spawn_blocking(move || {
             kept_quantized_section(&model, prompts, new_tokens)
         })
@@ -172,9 +199,9 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if args.iter().any(|a| a == "--wan") {
+    if cli.wan {
         use corolla_tests::wan_bench::{bench_wan, WAN_HEADING};
-        let (rounds, new_tokens) = (arg("--rounds", 3), arg("--new-tokens", 128));
+        let (rounds, new_tokens) = (cli.rounds.unwrap_or(3), cli.new_tokens.unwrap_or(128));
         let section = tokio::task::spawn_blocking(move || bench_wan(rounds, new_tokens))
             .await??
             .ok_or_else(|| anyhow::anyhow!("--wan needs network namespaces (root, iproute2)"))?;
@@ -184,20 +211,20 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if args.iter().any(|a| a == "--only-chat") {
+    if cli.only_chat {
         // One section alone, written into the existing report.
         let path = corolla_tests::default_model()
             .ok_or_else(|| anyhow::anyhow!("the chat benchmark needs the default model"))?;
-        let section = bench_chat_turns(&path, arg("--rounds", 3)).await?;
+        let section = bench_chat_turns(&path, cli.rounds.unwrap_or(3)).await?;
         println!("{section}");
         if let Some(file) = write_to {
             write_section(&file, CHAT_HEADING, &section)?;
         }
         return Ok(());
     }
-    let rounds = arg("--rounds", 5);
-    let new_tokens = arg("--new-tokens", 128);
-    if args.iter().any(|a| a == "--only-batching") {
+    let rounds = cli.rounds.unwrap_or(5);
+    let new_tokens = cli.new_tokens.unwrap_or(128);
+    if cli.only_batching {
         let section = bench_batching(rounds, new_tokens).await?;
         println!("{section}");
         if let Some(file) = write_to {
@@ -310,7 +337,7 @@ async fn main() -> anyhow::Result<()> {
          - added latency per hop: **{per_hop_us:.0} µs** per token\n",
         spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size
     );
-    if args.iter().any(|a| a == "--only-swarm") {
+    if cli.only_swarm {
         println!("{report}");
         if let Some(file) = write_to {
             write_section(&file, SWARM_HEADING, &report)?;
@@ -721,225 +748,3 @@ async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Resu
 }
 
 const SWARM_HEADING: &str = "## Swarm vs local (`corolla-bench`)";
-const BATCHING_HEADING: &str = "## One server, many sessions: continuous batching";
-
-/// One server holding every block of `model`; 1, 4 and 16 sessions at once,
-/// each `new_tokens` greedy tokens after its own 16-token prompt. Returns a
-/// table row per session count and the two ratios of 16 over 1.
-async fn bench_batching_of(
-    model: &std::path::Path,
-    new_tokens: usize,
-    rounds: usize,
-    max_batch_wait: &str,
-    quantized: corolla_model::QuantizedWeights,
-) -> anyhow::Result<(String, f64, f64)> {
-    let ck = Checkpoint::open(model)?.with_quantized_weights(quantized);
-    let quantized_flag = match quantized {
-        corolla_model::QuantizedWeights::Auto => "auto",
-        corolla_model::QuantizedWeights::Keep => "keep",
-        corolla_model::QuantizedWeights::Dequantize => "dequantize",
-    };
-    let layers = ck.config().num_hidden_layers;
-    let vocab = ck.config().vocab_size as u32;
-    let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
-    let model_arg = model.to_string_lossy().into_owned();
-    let mut args: Vec<String> = [
-        "corolla-server",
-        "--model",
-        &model_arg,
-        "--block-indices",
-        &format!("0:{layers}"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--new-swarm",
-        "--max-sessions",
-        "16",
-        "--max-sessions-per-peer",
-        "16",
-    ]
-    .map(String::from)
-    .to_vec();
-    args.extend(["--update-period".into(), "30s".into()]);
-    args.extend(["--max-batch-wait".into(), max_batch_wait.into()]);
-    args.extend(["--quantized".into(), quantized_flag.into()]);
-    let args = ServerArgs::from_args_and_file(args)?;
-    let server = Server::start(args).await?;
-    let node = connect(&[server.tcp_addr().expect("tcp").clone()]).await?;
-    let mut settings = SessionSettings::new(server.model(), layers, 256, WireDType::F32);
-    settings.expected_blocks = Some(block_hashes(&ck, 0, layers)?);
-    let request = |i: u32| GenerateRequest {
-        prompt_ids: (0..16u32)
-            .map(|j| 1 + (j * 37 + i * 101) % (vocab - 1))
-            .collect(),
-        max_new_tokens: new_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_at_eos: false,
-        drafts: 0,
-    };
-    let mut rows = String::new();
-    let mut by_count: Vec<(usize, f64, f64)> = Vec::new();
-    let mut alone: Option<Vec<u32>> = None;
-    for sessions in [1usize, 4, 16] {
-        let requests: Vec<GenerateRequest> = (0..sessions as u32).map(request).collect();
-        let (mut aggregate, mut per_session) = (Vec::new(), Vec::new());
-        let before = server.compute_figures();
-        for round in 0..rounds + 1 {
-            let run =
-                corolla_tests::concurrent_generations(&node, &settings, &head, &requests).await?;
-            // Session 0 has the same prompt at every count: batching must not change it.
-            let first = run.outputs[0].generated_ids.clone();
-            match &alone {
-                None => alone = Some(first),
-                Some(want) => assert_eq!(&first, want, "tokens changed with {sessions} sessions"),
-            }
-            if round > 0 {
-                aggregate.push(run.aggregate_tokens_per_second());
-                per_session.push(run.median_session_tokens_per_second());
-            }
-            eprintln!(
-                "{sessions} sessions (wait {max_batch_wait}), round {round}: {:.1} tok/s in all, {:.1} per session",
-                run.aggregate_tokens_per_second(),
-                run.median_session_tokens_per_second()
-            );
-        }
-        let after = server.compute_figures();
-        let batches = after.decode_batches - before.decode_batches;
-        let steps = after.decode_steps - before.decode_steps;
-        let (aggregate, per_session) = (median(aggregate), median(per_session));
-        rows.push_str(&format!(
-            "| {sessions} | {aggregate:.1} | {per_session:.1} | {:.1} |\n",
-            steps as f64 / batches.max(1) as f64
-        ));
-        by_count.push((sessions, aggregate, per_session));
-    }
-    let (_, agg1, per1) = by_count[0];
-    let (_, agg16, per16) = by_count[2];
-    Ok((rows, agg16 / agg1, per16 / per1))
-}
-
-async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<String> {
-    use corolla_model::QuantizedWeights::{Auto, Dequantize, Keep};
-    let tmp = tempfile::tempdir()?;
-    let dir = tmp.path().join("random-llama");
-    let spec = corolla_tests::bench_spec();
-    write_random_checkpoint(&dir, &spec)?;
-    // Side by side in one run: batches that take what is waiting, and
-    // batches that wait (the default) for sessions that were decoding.
-    let (rows_now, aggregate_now, per_session_now) =
-        bench_batching_of(&dir, new_tokens, rounds, "0ms", Auto).await?;
-    let (rows, aggregate, per_session) =
-        bench_batching_of(&dir, new_tokens, rounds, "10ms", Auto).await?;
-    let table = "| sessions | tokens/s in all | tokens/s per session (median) | decode steps per forward |\n|---|---|---|---|\n";
-    let mut section = format!(
-        "{BATCHING_HEADING}\n\n\
-         Command: `corolla-bench --only-batching --rounds {rounds} --write BENCHMARKS.md` (also part of `bash scripts/bench.sh`).\n\n\
-         One server holding all {} blocks of the bench model (random Llama: hidden {}, {} heads, {} KV heads, FFN {}, \
-         vocab {}, f32, CPU); 1, 4 and 16 sessions at once, each {new_tokens} greedy tokens after its own 16-token \
-         prompt, clients in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n\
-         With `--max-batch-wait 10ms` (the default: a batch waits up to 10 ms, and at most a quarter of the last \
-         batch's time, for sessions that decoded during the last two batches):\n\n{table}{rows}\n\
-         - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×** (target >= 8)\n\
-         - tokens/s per session, 16 sessions over 1: **{per_session:.2}×** (target >= 0.5)\n\n\
-         With `--max-batch-wait 0ms` (a batch takes what is waiting), in the same run:\n\n{table}{rows_now}\n\
-         - tokens/s in all, 16 sessions over 1: **{aggregate_now:.2}×**\n\
-         - tokens/s per session, 16 sessions over 1: **{per_session_now:.2}×**\n",
-        spec.num_layers,
-        spec.hidden_size,
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.intermediate_size,
-        spec.vocab_size,
-    );
-    match corolla_tests::default_model() {
-        Some(path) => {
-            for (weights, how) in [(Dequantize, "dequantized to f32"), (Keep, "kept quantized")] {
-                let (rows, aggregate, per_session) =
-                    bench_batching_of(&path, new_tokens, rounds.min(2), "10ms", weights).await?;
-                section.push_str(&format!(
-                    "\nThe same with the default model (SmolLM2-135M-Instruct, all 30 blocks on one server, \
-                     {how}), medians of {} rounds:\n\n{table}{rows}\n\
-                     - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×** (target >= 8)\n\
-                     - tokens/s per session, 16 sessions over 1: **{per_session:.2}×**\n",
-                    rounds.min(2)
-                ));
-            }
-            let limits = tokio::task::spawn_blocking(move || batching_limits(&path, rounds.max(3)))
-                .await??;
-            section.push_str(&limits);
-        }
-        None => section.push_str("\nThe default model: skipped (not fetched).\n"),
-    }
-    Ok(section)
-}
-
-/// What bounds the kept-quantized ratio on this machine: the span's decode
-/// steps alone, the clients' heads, the memory's bandwidth and the kernels'
-/// compute rate, each measured apart.
-fn batching_limits(model: &std::path::Path, rounds: usize) -> anyhow::Result<String> {
-    use corolla_model::random_gguf::WeightQuant;
-    use corolla_tests::span_batching::{
-        compute_rate_macs_per_s, head_ms, memory_read_gb_per_s, span_batching, BATCHES,
-    };
-    let checkpoint =
-        Checkpoint::open(model)?.with_quantized_weights(corolla_model::QuantizedWeights::Keep);
-    let span = span_batching(&checkpoint, rounds)?;
-    let head = head_ms(&checkpoint, rounds)?;
-    let bandwidth = memory_read_gb_per_s(rounds);
-    let tmp = tempfile::tempdir()?;
-    let rate = compute_rate_macs_per_s(tmp.path(), WeightQuant::Q4_1, rounds)?;
-    let memory_floor_ms = span.weight_bytes as f64 / (bandwidth * 1e9) * 1e3;
-    let compute_ms_per_row = span.macs_per_row as f64 / rate * 1e3;
-    let mut rows = String::new();
-    let one = span.step_ms.first().map_or(f64::NAN, |(_, ms)| *ms);
-    for &(batch, ms) in &span.step_ms {
-        rows.push_str(&format!(
-            "| {batch} | {ms:.2} | {:.0} | {:.2}× |\n",
-            batch as f64 * 1e3 / ms,
-            batch as f64 * one / ms
-        ));
-    }
-    let sixteen = span.step_ms.last().map_or(f64::NAN, |(_, ms)| *ms);
-    let largest = BATCHES[BATCHES.len() - 1];
-    // Everything on the same two cores: a token costs its share of a step
-    // plus its client's head.
-    let full_stack_bound = (one + head) / (sixteen / largest as f64 + head);
-    let heads_only_bound = (one + head) / head;
-    Ok(format!(
-        "\nWhat bounds the kept-quantized ratio here, each part measured alone in the same run (`corolla_tests::span_batching`; \
-         medians of {rounds} rounds):\n\n\
-         The default model's 30 blocks kept quantized ({:.1} MB of Q4_1 blocks, {:.0} M multiply-adds a row), decode steps of B \
-         sessions with 64 cached positions each through `BlockSpan::forward_decode_batch` (the server's compute core, no \
-         network, no clients):\n\n\
-         | B | ms per step | rows/s | rows/s over B = 1 |\n|---|---|---|---|\n{rows}\n\
-         - memory read bandwidth (a stream test: 512 MiB summed by the thread pool): **{bandwidth:.1} GB/s**, so reading \
-           the span's weights once takes {memory_floor_ms:.1} ms\n\
-         - a span's rate at 16 rows with its weights in the caches (two layers of hidden 512, Q4_1: the products and \
-           everything around them): **{:.1} G multiply-adds/s**, so one row through the span costs \
-           {compute_ms_per_row:.1} ms of compute however the weights are shared\n\
-         - the client's head for one token (final norm and the tied 49152×576 table, kept quantized): **{head:.2} ms**\n\n\
-         One row at B = 1 takes {one:.1} ms: the weights' read ({memory_floor_ms:.1} ms), the row's compute \
-         ({compute_ms_per_row:.1} ms), attention, norms and the pool's dispatch. On these two cores decode of this model \
-         is compute-bound, not memory-bound: with these kernels sixteen rows cost at least 16 × {compute_ms_per_row:.1} ms = \
-         {:.1} ms, so the span alone reaches at most {:.1}× at 16; it measured {:.2}×. For 8× sixteen rows would have to \
-         cost no more than two single steps ({:.1} ms), compute ~{:.1}× faster than this. The span's Q4_1 weights are \
-         already repacked eight rows to a group as llama.cpp repacks them for batches (`model/src/quant/interleaved.rs`): \
-         a block's nibbles are unpacked once for four sessions and each multiply instruction meets eight weight rows; \
-         the inner loop is bound by its 32 byte-multiply instructions per block and four rows (AVX-512 VNNI's \
-         `vpdpbusd` in their place measured the same on this CPU). And in the full-stack table the sixteen \
-         clients' heads ({head:.2} ms a token each) share the same two cores: with a token costing its share of a step \
-         plus its head, 16 sessions reach at most {full_stack_bound:.1}× one session here, and even a step that cost \
-         nothing would leave {heads_only_bound:.1}×. The ≥ 8× target is for a server whose clients are elsewhere and \
-         whose decode stays memory-bound to 16 rows: a GPU (`scripts/gpu-check.sh` measures a 70B-shaped span there; no \
-         GPU was lent for this run).\n",
-        span.weight_bytes as f64 / 1e6,
-        span.macs_per_row as f64 / 1e6,
-        rate / 1e9,
-        16.0 * compute_ms_per_row,
-        16.0 * one / (16.0 * compute_ms_per_row).max(one),
-        span.speedup(largest),
-        2.0 * one,
-        16.0 * compute_ms_per_row / (2.0 * one),
-    ))
-}
