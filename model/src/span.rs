@@ -11,6 +11,7 @@ use crate::config::LlamaConfig;
 use crate::decode_attention::{self, HeadShape};
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, Projections};
+use crate::pool::ComputePool;
 use crate::rope::Rope;
 
 fn linear(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
@@ -306,6 +307,7 @@ pub struct BlockSpan {
     config: LlamaConfig,
     dtype: DType,
     device: Device,
+    pool: ComputePool,
 }
 
 impl BlockSpan {
@@ -331,6 +333,11 @@ impl BlockSpan {
             config: cfg.clone(),
             dtype,
             device: device.clone(),
+            // A GPU's kernels run on the device; its host threads wait.
+            pool: match device.is_cpu() {
+                true => ComputePool::new(),
+                false => ComputePool::default(),
+            },
         })
     }
 
@@ -456,7 +463,7 @@ impl BlockSpan {
         start: usize,
         cache: &mut SessionCache,
     ) -> Result<Tensor> {
-        crate::pool::on_pool(|| self.forward_here(hidden, start, cache))
+        self.pool.run(|| self.forward_here(hidden, start, cache))
     }
 
     fn forward_here(
@@ -503,7 +510,7 @@ impl BlockSpan {
         &self,
         steps: &mut [(Tensor, usize, &mut SessionCache)],
     ) -> Result<Vec<Tensor>> {
-        crate::pool::on_pool(|| self.forward_decode_batch_here(steps))
+        self.pool.run(|| self.forward_decode_batch_here(steps))
     }
 
     fn forward_decode_batch_here(
