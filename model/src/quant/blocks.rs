@@ -12,7 +12,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
 use super::dot;
-use super::interleaved::InterleavedQ4_1;
+use super::interleaved::{InterleavedQ4, Nibbles};
 use super::parallel::{self, Kernels};
 use crate::error::{ModelError, Result};
 
@@ -102,15 +102,14 @@ impl QuantBlocks {
     }
 
     /// The blocks repacked for batches, when their format has such kernels.
-    pub fn interleaved(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ4_1>> {
-        if self.format() != GgmlDType::Q4_1 {
-            return Ok(None);
-        }
-        Ok(Some(InterleavedQ4_1::new(
-            &self.tensor.data()?,
-            rows,
-            cols,
-        )?))
+    pub fn interleaved(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ4>> {
+        let format = match self.format() {
+            GgmlDType::Q4_0 => Nibbles::Q4_0,
+            GgmlDType::Q4_1 => Nibbles::Q4_1,
+            _ => return Ok(None),
+        };
+        let bytes = self.tensor.data()?;
+        Ok(Some(InterleavedQ4::new(format, &bytes, rows, cols)?))
     }
 
     pub fn matmul(&self, shape: parallel::Shape, input: &[f32], out: &mut [f32]) -> Result<()> {

@@ -1,13 +1,14 @@
-//! Q4_1 weights repacked eight rows to a group, as llama.cpp repacks Q4
-//! weights for batches: one vector holds the same four values of eight
+//! Q4_1 and Q4_0 weights repacked eight rows to a group, as llama.cpp
+//! repacks Q4 weights for batches: one vector holds the same four values of eight
 //! weight rows, so an activation's four bytes, broadcast, meet eight rows at
 //! once and a block's eight sums come out in the lanes of one register with
 //! no horizontal adds. The unpacked nibbles of a group's block serve up to
 //! four activation rows (a batch's sessions) before the next block.
 //!
 //! Every output is computed in one order whatever the kernel or the batch:
-//! a block's integer sum (exact), then `acc = fma(d_w * d_x, sum, acc)` and
-//! `acc = fma(m_w, s_x, acc)`, block after block. So a session's numbers do
+//! a block's integer sum (exact; for Q4_0, whose values are the nibbles
+//! less 8, less 8 × the activations' sum), then `acc = fma(d_w * d_x, sum,
+//! acc)` and, for Q4_1, `acc = fma(m_w, s_x, acc)`, block after block. So a session's numbers do
 //! not depend on who shares its step, nor on whether the machine has AVX2
 //! (the portable kernel gives the same bits): a replacement server on
 //! another CPU continues an answer exactly.
@@ -24,9 +25,7 @@ use crate::error::{ModelError, Result};
 pub(crate) const GROUP: usize = 8;
 /// Values per block.
 pub(crate) const BLOCK: usize = 32;
-/// A Q4_1 block as GGUF stores it: `d`, `m` (f16), 16 bytes of nibbles.
-const Q4_1_BYTES: usize = 20;
-/// One block of a group: eight `d`s, eight `m`s (f16), then four chunks of
+/// One block of a group: eight `d`s, eight `m`s (f16; zero for Q4_0), then four chunks of
 /// 32 bytes; chunk `c` holds bytes `4c..4c + 4` of each row's nibbles, row
 /// after row (their low nibbles are values `4c..4c + 4`, their high ones
 /// values `16 + 4c..16 + 4c + 4`).
@@ -34,37 +33,71 @@ pub(crate) const GROUP_BLOCK_BYTES: usize = 4 * GROUP + 4 * 32;
 /// Activation rows a kernel call takes.
 pub(crate) const MAX_ACTIVATIONS: usize = 4;
 
-/// A Q4_1 matrix `[rows, cols]` in groups of eight rows (the last group
+/// The 4-bit formats these kernels repack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Nibbles {
+    /// `d` (f16), 16 bytes of nibbles; a value is `d × (nibble - 8)`.
+    Q4_0,
+    /// `d`, `m` (f16), 16 bytes of nibbles; a value is `d × nibble + m`.
+    Q4_1,
+}
+
+impl Nibbles {
+    /// A block's bytes as GGUF stores it.
+    fn block_bytes(self) -> usize {
+        match self {
+            Nibbles::Q4_0 => 18,
+            Nibbles::Q4_1 => 20,
+        }
+    }
+
+    /// Where a block's nibbles start.
+    fn nibbles_at(self) -> usize {
+        self.block_bytes() - 16
+    }
+}
+
+/// A 4-bit matrix `[rows, cols]` in groups of eight rows (the last group
 /// padded with zero rows).
 #[derive(Debug, Clone)]
-pub(crate) struct InterleavedQ4_1 {
+pub(crate) struct InterleavedQ4 {
+    format: Nibbles,
     rows: usize,
     cols: usize,
     bytes: Vec<u8>,
 }
 
-/// One activation row, quantized: 32 values a block, and each block's `d`
-/// and `s`.
+/// One activation row, quantized: 32 values a block, each block's `d` and
+/// `s`, and the sum of its values.
 #[derive(Clone, Copy)]
 pub(crate) struct ActivationRow<'a> {
     pub values: &'a [i8],
     pub scales: &'a [f32],
+    pub sums: &'a [i32],
 }
 
 /// Multiplies one group of weight rows by up to [`MAX_ACTIVATIONS`]
 /// activation rows: `out[r][j]` is weight row `j` of the group times row `r`.
-type GroupKernel = fn(per_row: usize, group: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
+type GroupKernel = fn(
+    format: Nibbles,
+    per_row: usize,
+    group: &[u8],
+    xs: &[ActivationRow],
+    out: &mut [[f32; GROUP]],
+);
 
-impl InterleavedQ4_1 {
-    /// Repacks `bytes`, `rows` rows of `cols` values in Q4_1 blocks.
-    pub fn new(bytes: &[u8], rows: usize, cols: usize) -> Result<Self> {
+impl InterleavedQ4 {
+    /// Repacks `bytes`, `rows` rows of `cols` values in `format`'s blocks.
+    pub fn new(format: Nibbles, bytes: &[u8], rows: usize, cols: usize) -> Result<Self> {
         let per_row = cols / BLOCK;
-        if !cols.is_multiple_of(BLOCK) || bytes.len() != rows * per_row * Q4_1_BYTES {
+        let block_bytes = format.block_bytes();
+        if !cols.is_multiple_of(BLOCK) || bytes.len() != rows * per_row * block_bytes {
             return Err(ModelError::InvalidConfig(format!(
-                "{} bytes are not a {rows}x{cols} Q4_1 matrix",
+                "{} bytes are not a {rows}x{cols} {format:?} matrix",
                 bytes.len()
             )));
         }
+        let nibbles = format.nibbles_at();
         let groups = rows.div_ceil(GROUP);
         let mut packed = vec![0u8; groups * per_row * GROUP_BLOCK_BYTES];
         for (g, group) in packed
@@ -73,18 +106,22 @@ impl InterleavedQ4_1 {
         {
             for (b, dst) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
                 for j in 0..GROUP.min(rows - g * GROUP) {
-                    let at = ((g * GROUP + j) * per_row + b) * Q4_1_BYTES;
-                    let src = &bytes[at..at + Q4_1_BYTES];
+                    let at = ((g * GROUP + j) * per_row + b) * block_bytes;
+                    let src = &bytes[at..at + block_bytes];
                     dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
-                    dst[2 * GROUP + 2 * j..2 * GROUP + 2 * j + 2].copy_from_slice(&src[2..4]);
+                    if format == Nibbles::Q4_1 {
+                        dst[2 * GROUP + 2 * j..2 * GROUP + 2 * j + 2].copy_from_slice(&src[2..4]);
+                    }
                     for c in 0..4 {
                         let to = 4 * GROUP + 32 * c + 4 * j;
-                        dst[to..to + 4].copy_from_slice(&src[4 + 4 * c..8 + 4 * c]);
+                        let from = nibbles + 4 * c;
+                        dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
                     }
                 }
             }
         }
-        Ok(InterleavedQ4_1 {
+        Ok(InterleavedQ4 {
+            format,
             rows,
             cols,
             bytes: packed,
@@ -118,7 +155,7 @@ impl InterleavedQ4_1 {
                 let weights = &self.bytes[g * group_bytes..(g + 1) * group_bytes];
                 let valid = GROUP.min(rows - g * GROUP);
                 for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
-                    kernel(per_row, weights, xs, &mut sums[..xs.len()]);
+                    kernel(self.format, per_row, weights, xs, &mut sums[..xs.len()]);
                     for (k, lanes) in sums[..xs.len()].iter().enumerate() {
                         let r = tile * MAX_ACTIVATIONS + k;
                         for (j, &value) in lanes[..valid].iter().enumerate() {
@@ -143,29 +180,39 @@ struct Activations {
     values: Vec<i8>,
     /// `d` and `s` of each block, as f32.
     scales: Vec<f32>,
+    /// The sum of each block's values.
+    sums: Vec<i32>,
 }
 
 impl Activations {
     fn new(input: &[f32], blocks: usize, quantize: Quantizer) -> Self {
         let mut values = vec![0i8; blocks * BLOCK];
         let mut scales = vec![0f32; blocks * 2];
-        for ((x, q), scale) in input
+        let mut sums = vec![0i32; blocks];
+        for (((x, q), scale), block_sum) in input
             .chunks_exact(BLOCK)
             .zip(values.chunks_exact_mut(BLOCK))
             .zip(scales.chunks_exact_mut(2))
+            .zip(sums.iter_mut())
         {
             let (d, sum) = quantize(x, q);
+            *block_sum = sum;
             let d = f16::from_f32(d);
             scale[0] = d.to_f32();
             scale[1] = (f16::from_f32(sum as f32) * d).to_f32();
         }
-        Activations { values, scales }
+        Activations {
+            values,
+            scales,
+            sums,
+        }
     }
 
     fn row(&self, r: usize, per_row: usize) -> ActivationRow<'_> {
         ActivationRow {
             values: &self.values[r * per_row * BLOCK..(r + 1) * per_row * BLOCK],
             scales: &self.scales[r * per_row * 2..(r + 1) * per_row * 2],
+            sums: &self.sums[r * per_row..(r + 1) * per_row],
         }
     }
 }
@@ -208,7 +255,13 @@ fn kernel() -> GroupKernel {
 }
 
 /// The kernels' arithmetic in plain Rust, for CPUs without AVX2 and wasm.
-fn portable(per_row: usize, group: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
+fn portable(
+    format: Nibbles,
+    per_row: usize,
+    group: &[u8],
+    xs: &[ActivationRow],
+    out: &mut [[f32; GROUP]],
+) {
     for (x, out) in xs.iter().zip(out.iter_mut()) {
         *out = [0.0; GROUP];
         for b in 0..per_row {
@@ -226,9 +279,17 @@ fn portable(per_row: usize, group: &[u8], xs: &[ActivationRow], out: &mut [[f32;
                     }
                 }
                 let dw = half_at(block, 2 * j);
-                let mw = half_at(block, 2 * GROUP + 2 * j);
-                *acc = (dw * dx).mul_add(sum as f32, *acc);
-                *acc = mw.mul_add(sx, *acc);
+                match format {
+                    Nibbles::Q4_0 => {
+                        let sum = sum - 8 * x.sums[b];
+                        *acc = (dw * dx).mul_add(sum as f32, *acc);
+                    }
+                    Nibbles::Q4_1 => {
+                        let mw = half_at(block, 2 * GROUP + 2 * j);
+                        *acc = (dw * dx).mul_add(sum as f32, *acc);
+                        *acc = mw.mul_add(sx, *acc);
+                    }
+                }
             }
         }
     }
@@ -240,44 +301,67 @@ mod tests {
 
     /// The vector kernel and the portable one agree bit for bit (a server
     /// without AVX2 continues another's answer exactly).
-    #[test]
-    fn the_kernels_give_the_same_bits() {
-        let (rows, cols) = (43, 256);
+    /// `rows` rows of `cols` values quantized to `format`, repacked.
+    fn matrix(format: Nibbles, rows: usize, cols: usize) -> InterleavedQ4 {
+        use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ4_1, GgmlType};
+        fn bytes_of<T: GgmlType>(weights: &[f32]) -> Vec<u8> {
+            let mut blocks = vec![T::zeros(); weights.len() / T::BLCK_SIZE];
+            T::from_float(weights, &mut blocks);
+            // SAFETY: the block types are `repr(C)` structs of f16s and
+            // bytes with no padding: their bytes are initialised.
+            unsafe {
+                std::slice::from_raw_parts(
+                    blocks.as_ptr().cast::<u8>(),
+                    blocks.len() * std::mem::size_of::<T>(),
+                )
+            }
+            .to_vec()
+        }
         let weights: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 7919) % 1013) as f32 / 506.5 - 1.0)
             .collect();
-        use candle_core::quantized::k_quants::{BlockQ4_1, GgmlType};
-        let mut blocks = vec![BlockQ4_1::zeros(); rows * cols / 32];
-        BlockQ4_1::from_float(&weights, &mut blocks);
-        // SAFETY: as for the activations in `matmul_with`.
-        let bytes: &[u8] = unsafe {
-            std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len() * Q4_1_BYTES)
+        let bytes = match format {
+            Nibbles::Q4_0 => bytes_of::<BlockQ4_0>(&weights),
+            Nibbles::Q4_1 => bytes_of::<BlockQ4_1>(&weights),
         };
-        let matrix = InterleavedQ4_1::new(bytes, rows, cols).unwrap();
+        InterleavedQ4::new(format, &bytes, rows, cols).unwrap()
+    }
+
+    /// The vector kernel and the portable one agree bit for bit (a server
+    /// without AVX2 continues another's answer exactly).
+    #[test]
+    fn the_kernels_give_the_same_bits() {
+        let (rows, cols) = (43, 256);
         // Rows of halves too: with 127 in each block, `d` is 1 and every
         // other value a tie to round.
         let halves = |i: usize| match i % BLOCK {
             0 => 127.0,
             _ => ((i * 7) % 251) as f32 - 125.5,
         };
-        for (batch, ties) in [(1, false), (3, false), (4, false), (9, false), (5, true)] {
-            let input: Vec<f32> = (0..batch * cols)
-                .map(|i| match ties {
-                    true => halves(i),
-                    false => ((i * 104729) % 2017) as f32 / 1008.5 - 1.0,
-                })
-                .collect();
-            let shape = Shape { rows, cols, batch };
-            let mut fast = vec![0f32; batch * rows];
-            let mut plain = vec![0f32; batch * rows];
-            matrix.matmul_with(kernel(), quantizer(), shape, &input, &mut fast);
-            matrix.matmul_with(portable, quantize_block, shape, &input, &mut plain);
-            let differ = fast
-                .iter()
-                .zip(&plain)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(differ, 0, "batch {batch}: {differ} outputs differ");
+        for format in [Nibbles::Q4_0, Nibbles::Q4_1] {
+            let matrix = matrix(format, rows, cols);
+            for (batch, ties) in [(1, false), (3, false), (4, false), (9, false), (5, true)] {
+                let input: Vec<f32> = (0..batch * cols)
+                    .map(|i| match ties {
+                        true => halves(i),
+                        false => ((i * 104729) % 2017) as f32 / 1008.5 - 1.0,
+                    })
+                    .collect();
+                let shape = Shape { rows, cols, batch };
+                let mut fast = vec![0f32; batch * rows];
+                let mut plain = vec![0f32; batch * rows];
+                matrix.matmul_with(kernel(), quantizer(), shape, &input, &mut fast);
+                matrix.matmul_with(portable, quantize_block, shape, &input, &mut plain);
+                let differ = fast
+                    .iter()
+                    .zip(&plain)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{format:?} batch {batch}: {differ} outputs differ"
+                );
+            }
         }
     }
 }

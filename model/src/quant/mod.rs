@@ -7,7 +7,7 @@
 //! share it; the weight rows are split over the thread pool.
 //! [`QuantMatrix::concat`] stacks projections that read the same input (Q, K
 //! and V; gate and up) so they cost one pass and one dispatch, and
-//! [`QuantMatrix::interleaved`] repacks a span's Q4_1 weights for batches
+//! [`QuantMatrix::interleaved`] repacks a span's Q4_0 and Q4_1 weights for batches
 //! ([`interleaved`]).
 
 mod blocks;
@@ -16,7 +16,7 @@ mod interleaved;
 mod parallel;
 
 pub(crate) use blocks::QuantBlocks;
-use interleaved::InterleavedQ4_1;
+use interleaved::InterleavedQ4;
 
 use std::sync::Arc;
 
@@ -38,7 +38,7 @@ enum Layout {
     /// As GGUF stores them (in place in candle's storage).
     Blocks(QuantBlocks),
     /// Repacked for batches.
-    Interleaved(Arc<InterleavedQ4_1>),
+    Interleaved(Arc<InterleavedQ4>),
 }
 
 impl QuantMatrix {
@@ -68,7 +68,7 @@ impl QuantMatrix {
     }
 
     /// The matrix with its weights repacked eight rows to a group where the
-    /// format has such kernels (Q4_1), which multiply a batch's rows 2-3x
+    /// format has such kernels (Q4_0, Q4_1), which multiply a batch's rows 2-3x
     /// faster. The repacked copy replaces the blocks (which are dropped);
     /// it is for a span's weights, not for a head that shares its table with
     /// the embeddings (a second copy of the largest matrix).

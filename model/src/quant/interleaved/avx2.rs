@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{ActivationRow, BLOCK, GROUP, GROUP_BLOCK_BYTES, MAX_ACTIVATIONS};
+use super::{ActivationRow, Nibbles, BLOCK, GROUP, GROUP_BLOCK_BYTES, MAX_ACTIVATIONS};
 
 pub fn available() -> bool {
     is_x86_feature_detected!("avx2")
@@ -15,7 +15,13 @@ pub fn available() -> bool {
 }
 
 /// [`super::GroupKernel`] for CPUs where [`available`] holds.
-pub fn group(per_row: usize, weights: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
+pub fn group(
+    format: Nibbles,
+    per_row: usize,
+    weights: &[u8],
+    xs: &[ActivationRow],
+    out: &mut [[f32; GROUP]],
+) {
     assert!(
         weights.len() >= per_row * GROUP_BLOCK_BYTES,
         "a short group"
@@ -23,20 +29,42 @@ pub fn group(per_row: usize, weights: &[u8], xs: &[ActivationRow], out: &mut [[f
     assert!(xs.len() <= MAX_ACTIVATIONS && out.len() >= xs.len());
     for x in xs {
         assert!(x.values.len() >= per_row * BLOCK && x.scales.len() >= 2 * per_row);
+        assert!(x.sums.len() >= per_row);
     }
     let w = weights.as_ptr();
-    let row = |r: usize| (xs[r].values.as_ptr(), xs[r].scales.as_ptr());
+    let row = |r: usize| Row {
+        values: xs[r].values.as_ptr(),
+        scales: xs[r].scales.as_ptr(),
+        sums: xs[r].sums.as_ptr(),
+    };
     // SAFETY: `available()` held when this kernel was chosen, and the
     // asserts above keep every read inside the slices.
     unsafe {
-        match xs.len() {
-            1 => store(out, tile::<1>(per_row, w, [row(0)])),
-            2 => store(out, tile::<2>(per_row, w, [row(0), row(1)])),
-            3 => store(out, tile::<3>(per_row, w, [row(0), row(1), row(2)])),
-            4 => store(out, tile::<4>(per_row, w, [row(0), row(1), row(2), row(3)])),
-            _ => {}
+        match format {
+            Nibbles::Q4_0 => match xs.len() {
+                1 => store(out, tile::<1, true>(per_row, w, [row(0)])),
+                2 => store(out, tile::<2, true>(per_row, w, [row(0), row(1)])),
+                3 => store(out, tile::<3, true>(per_row, w, [row(0), row(1), row(2)])),
+                4 => store(out, tile::<4, true>(per_row, w, [0, 1, 2, 3].map(row))),
+                _ => {}
+            },
+            Nibbles::Q4_1 => match xs.len() {
+                1 => store(out, tile::<1, false>(per_row, w, [row(0)])),
+                2 => store(out, tile::<2, false>(per_row, w, [row(0), row(1)])),
+                3 => store(out, tile::<3, false>(per_row, w, [row(0), row(1), row(2)])),
+                4 => store(out, tile::<4, false>(per_row, w, [0, 1, 2, 3].map(row))),
+                _ => {}
+            },
         }
     }
+}
+
+/// An activation row's pointers.
+#[derive(Clone, Copy)]
+struct Row {
+    values: *const i8,
+    scales: *const f32,
+    sums: *const i32,
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -46,13 +74,14 @@ unsafe fn store<const R: usize>(out: &mut [[f32; GROUP]], sums: [__m256; R]) {
     }
 }
 
-/// One group against `R` activation rows (their values and scales).
+/// One group against `R` activation rows; `OFFSET` for Q4_0 (values are
+/// the nibbles less 8; no `m`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize>(
+unsafe fn tile<const R: usize, const OFFSET: bool>(
     per_row: usize,
     w: *const u8,
-    x: [(*const i8, *const f32); R],
+    x: [Row; R],
 ) -> [__m256; R] {
     let nibble = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
@@ -65,7 +94,7 @@ unsafe fn tile<const R: usize>(
             let low = _mm256_and_si256(packed, nibble);
             let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
             for r in 0..R {
-                let values = x[r].0.add(b * BLOCK);
+                let values = x[r].values.add(b * BLOCK);
                 let xl = _mm256_set1_epi32(std::ptr::read_unaligned(values.add(4 * c).cast()));
                 let xh = _mm256_set1_epi32(std::ptr::read_unaligned(values.add(16 + 4 * c).cast()));
                 sums[r] = _mm256_add_epi16(
@@ -80,11 +109,16 @@ unsafe fn tile<const R: usize>(
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(block.cast()));
         let mw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * GROUP).cast()));
         for r in 0..R {
-            let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
-            let dx = _mm256_set1_ps(*x[r].1.add(2 * b));
-            let sx = _mm256_set1_ps(*x[r].1.add(2 * b + 1));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), sum, acc[r]);
-            acc[r] = _mm256_fmadd_ps(mw, sx, acc[r]);
+            let mut sum = _mm256_madd_epi16(sums[r], ones);
+            if OFFSET {
+                sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * *x[r].sums.add(b)));
+            }
+            let dx = _mm256_set1_ps(*x[r].scales.add(2 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(sum), acc[r]);
+            if !OFFSET {
+                let sx = _mm256_set1_ps(*x[r].scales.add(2 * b + 1));
+                acc[r] = _mm256_fmadd_ps(mw, sx, acc[r]);
+            }
         }
     }
     acc
