@@ -30,6 +30,12 @@ use crate::rope::RopeLayout;
 use crate::weight_file::WeightFile;
 pub use crate::weight_file::{RawDType, RawTensor};
 
+mod quantized_weights;
+mod weights;
+
+pub use quantized_weights::{QuantizedWeights, AUTO_DEQUANTIZE_LIMIT};
+pub use weights::Weights;
+
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -74,36 +80,6 @@ pub struct SpanFile {
 struct ShardedIndex {
     weight_map: HashMap<String, String>,
 }
-
-/// What happens to quantized (GGUF) weights at load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum QuantizedWeights {
-    /// Dequantize models whose float32 weights take at most
-    /// [`AUTO_DEQUANTIZE_LIMIT`] bytes, keep larger ones quantized. Decided
-    /// by the model alone, so every server of a model computes alike.
-    #[default]
-    Auto,
-    /// Keep weights quantized: least memory; activations are quantized for
-    /// each product (as llama.cpp does), an approximation of the float math.
-    Keep,
-    /// Dense weights in the compute dtype: float-exact math, more memory.
-    Dequantize,
-}
-
-impl std::str::FromStr for QuantizedWeights {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "keep" => Ok(Self::Keep),
-            "dequantize" => Ok(Self::Dequantize),
-            other => Err(format!("{other:?} is not one of auto, keep, dequantize")),
-        }
-    }
-}
-
-/// Models up to this many bytes of float32 weights are dequantized by [`QuantizedWeights::Auto`].
-pub const AUTO_DEQUANTIZE_LIMIT: u64 = 2 << 30;
 
 /// Where a model's tokenizer comes from.
 #[derive(Debug, Clone)]
@@ -577,12 +553,7 @@ impl Checkpoint {
     }
 
     pub fn weights(&self, dtype: DType, device: &Device) -> Weights<'_> {
-        Weights {
-            checkpoint: self,
-            prefix: String::new(),
-            dtype,
-            device: device.clone(),
-        }
+        Weights::new(self, dtype, device)
     }
 
     /// Whether every layer of `start..end` has weights here (named in the
@@ -623,63 +594,4 @@ fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// A view of a checkpoint under a name prefix, in a target dtype and device:
-/// what model components take in their `load` functions.
-#[derive(Clone)]
-pub struct Weights<'a> {
-    checkpoint: &'a Checkpoint,
-    prefix: String,
-    dtype: DType,
-    device: Device,
-}
-
-impl<'a> Weights<'a> {
-    pub fn pp(&self, name: impl std::fmt::Display) -> Weights<'a> {
-        let prefix = if self.prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{name}", self.prefix)
-        };
-        Weights {
-            prefix,
-            ..self.clone()
-        }
-    }
-
-    fn full_name(&self, name: &str) -> String {
-        if self.prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{name}", self.prefix)
-        }
-    }
-
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        self.checkpoint
-            .tensor(&self.full_name(name), shape, self.dtype, &self.device)
-    }
-
-    /// The weight quantized as stored, when it is and the checkpoint keeps it so.
-    pub fn get_quantized(&self, name: &str, shape: &[usize]) -> Result<Option<QTensor>> {
-        self.checkpoint
-            .quantized_tensor(&self.full_name(name), shape, &self.device)
-    }
-
-    pub fn contains(&self, name: &str) -> bool {
-        self.checkpoint.contains(&self.full_name(name))
-    }
-
-    pub fn rope_layout(&self) -> RopeLayout {
-        self.checkpoint.rope_layout()
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
 }
