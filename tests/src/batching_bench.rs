@@ -146,13 +146,13 @@ pub async fn bench_batching(rounds: usize, new_tokens: usize) -> anyhow::Result<
         Some(path) => {
             for (weights, how) in [(Dequantize, "dequantized to f32"), (Keep, "kept quantized")] {
                 let (rows, aggregate, per_session) =
-                    bench_batching_of(&path, new_tokens, rounds.min(2), "10ms", weights).await?;
+                    bench_batching_of(&path, new_tokens, rounds.min(3), "10ms", weights).await?;
                 section.push_str(&format!(
                     "\nThe same with the default model (SmolLM2-135M-Instruct, all 30 blocks on one server, \
                      {how}), medians of {} rounds:\n\n{table}{rows}\n\
                      - tokens/s in all, 16 sessions over 1: **{aggregate:.2}×** (target >= 8)\n\
                      - tokens/s per session, 16 sessions over 1: **{per_session:.2}×**\n",
-                    rounds.min(2)
+                    rounds.min(3)
                 ));
             }
             let limits = tokio::task::spawn_blocking(move || batching_limits(&path, rounds.max(3)))

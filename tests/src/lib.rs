@@ -9,6 +9,7 @@ pub mod hostile;
 pub mod nat;
 pub mod netns;
 pub mod page_figures;
+pub mod report;
 pub mod span_batching;
 pub mod wan;
 pub mod wan_bench;

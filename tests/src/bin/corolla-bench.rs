@@ -24,6 +24,7 @@ use corolla_server::{RunningServer, Server, ServerArgs};
 use corolla_shared::WireDType;
 use corolla_tests::batching_bench::{bench_batching, BATCHING_HEADING};
 use corolla_tests::median;
+use corolla_tests::report::{write_report, write_section, Run};
 
 const NOTES: &str = "Notes: this machine has 2 noisy cores, and the servers, the client and the
 local baseline all share them in one process. Across runs the swarm/local
@@ -50,7 +51,7 @@ struct BenchArgs {
     prompts: usize,
     /// Writes the figures into this report (a section replaces its own).
     #[arg(long, value_name = "FILE")]
-    write: Option<String>,
+    write: Option<std::path::PathBuf>,
     /// The page tests' figures in DIR, as a section.
     #[arg(long, value_name = "DIR", group = "section")]
     page_figures: Option<std::path::PathBuf>,
@@ -114,28 +115,6 @@ async fn demo_layout(model: &str, layers: usize) -> (Vec<RunningServer>, String)
     (servers, bootstrap)
 }
 
-/// Replaces (or appends) the section headed `heading` in the report at `path`.
-fn write_section(path: &str, heading: &str, section: &str) -> anyhow::Result<()> {
-    let old = std::fs::read_to_string(path).unwrap_or_else(|_| "# Benchmarks\n\n".into());
-    let new = match old.find(heading) {
-        Some(start) => {
-            let rest = &old[start + heading.len()..];
-            let end = rest
-                .find("\n## ")
-                .or_else(|| rest.find("\nNotes:"))
-                .map_or(old.len(), |i| start + heading.len() + i + 1);
-            format!("{}{section}\n{}", &old[..start], &old[end..])
-        }
-        // New sections go before the closing notes.
-        None => match old.find("\nNotes:") {
-            Some(notes) => format!("{}\n{section}\n{}", &old[..notes + 1], &old[notes + 1..]),
-            None => format!("{}\n\n{section}", old.trim_end()),
-        },
-    };
-    std::fs::write(path, new)?;
-    Ok(())
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     // Quiet unless RUST_LOG asks: the servers run in this process.
@@ -150,13 +129,14 @@ async fn main() -> anyhow::Result<()> {
     }
     let cli = <BenchArgs as clap::Parser>::parse();
     let write_to = cli.write.clone();
+    let run = Run::here();
     if let Some(dir) = &cli.page_figures {
         // Figures the Chromium tests measured, as a section of the report.
         use corolla_tests::page_figures::{page_section, PAGE_HEADING};
         let section = page_section(dir)?;
         println!("{section}");
         if let Some(file) = write_to {
-            write_section(&file, PAGE_HEADING, &section)?;
+            write_section(&file, &run, PAGE_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -170,7 +150,7 @@ async fn main() -> anyhow::Result<()> {
                 .await??;
         println!("{section}");
         if let Some(file) = write_to {
-            write_section(&file, WIRE_QUALITY_HEADING, &section)?;
+            write_section(&file, &run, WIRE_QUALITY_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -180,7 +160,7 @@ async fn main() -> anyhow::Result<()> {
         println!("{section}");
         if let Some(file) = write_to {
             use corolla_tests::compute_bench::COMPUTE_HEADING;
-            write_section(&file, COMPUTE_HEADING, &section)?;
+            write_section(&file, &run, COMPUTE_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -195,7 +175,7 @@ async fn main() -> anyhow::Result<()> {
         .await??;
         println!("{section}");
         if let Some(file) = write_to {
-            write_section(&file, KEPT_QUANTIZED_HEADING, &section)?;
+            write_section(&file, &run, KEPT_QUANTIZED_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -207,7 +187,7 @@ async fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("--wan needs network namespaces (root, iproute2)"))?;
         println!("{section}");
         if let Some(file) = write_to {
-            write_section(&file, WAN_HEADING, &section)?;
+            write_section(&file, &run, WAN_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -218,7 +198,7 @@ async fn main() -> anyhow::Result<()> {
         let section = bench_chat_turns(&path, cli.rounds.unwrap_or(3)).await?;
         println!("{section}");
         if let Some(file) = write_to {
-            write_section(&file, CHAT_HEADING, &section)?;
+            write_section(&file, &run, CHAT_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -228,7 +208,7 @@ async fn main() -> anyhow::Result<()> {
         let section = bench_batching(rounds, new_tokens).await?;
         println!("{section}");
         if let Some(file) = write_to {
-            write_section(&file, BATCHING_HEADING, &section)?;
+            write_section(&file, &run, BATCHING_HEADING, &section)?;
         }
         return Ok(());
     }
@@ -340,7 +320,7 @@ async fn main() -> anyhow::Result<()> {
     if cli.only_swarm {
         println!("{report}");
         if let Some(file) = write_to {
-            write_section(&file, SWARM_HEADING, &report)?;
+            write_section(&file, &run, SWARM_HEADING, &report)?;
         }
         return Ok(());
     }
@@ -378,7 +358,7 @@ async fn main() -> anyhow::Result<()> {
         format!("{report}\n{recovery}\n{default_model}\n{chat}\n{compute}\n{batching}\n{browser}");
     println!("{report}");
     if let Some(path) = write_to {
-        std::fs::write(path, format!("# Benchmarks\n\nLatest figures; ratios matter, absolute numbers vary with machine load.\n\n{report}\n{NOTES}\n"))?;
+        write_report(&path, &run, &report, NOTES)?;
     }
     Ok(())
 }

@@ -1,0 +1,142 @@
+//! The benchmark report (BENCHMARKS.md): a whole report written by a full
+//! run, or one section replaced in place, every section stamped with the
+//! run that measured it (date, commit, machine), so a figure never claims a
+//! run it did not come from.
+
+use std::path::Path;
+use std::process::Command;
+
+const TITLE: &str = "# Benchmarks\n\n\
+    Ratios matter, absolute numbers vary with machine load; each section names the run that measured it.\n";
+
+/// The line a measured section carries under its heading.
+const STAMP: &str = "_Measured ";
+
+/// When, at which commit and on which machine this process measures.
+#[derive(Debug, Clone)]
+pub struct Run {
+    line: String,
+}
+
+impl Run {
+    /// This process's run: the UTC date, the checkout's commit (marked
+    /// when the tree has changes), the CPU model, cores and memory.
+    pub fn here() -> Self {
+        let output = |program: &str, args: &[&str]| {
+            Command::new(program)
+                .args(args)
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        };
+        let date =
+            output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_else(|| "date unknown".into());
+        let commit = match output("git", &["rev-parse", "--short=10", "HEAD"]) {
+            Some(commit) => match output("git", &["status", "--porcelain", "--untracked-files=no"])
+            {
+                Some(changes) if !changes.is_empty() => {
+                    format!("{commit} with uncommitted changes")
+                }
+                _ => commit,
+            },
+            None => "an unknown commit".into(),
+        };
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|info| {
+                info.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|name| name.trim().to_string())
+            })
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let memory = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|info| {
+                let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+                let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                Some(format!(", {:.1} GiB of memory", kib / (1024.0 * 1024.0)))
+            })
+            .unwrap_or_default();
+        Run {
+            line: format!("{STAMP}{date} at commit {commit} on {cpu}, {cores} cores{memory}._"),
+        }
+    }
+
+    /// Every `## ` section of `report` with this run's line under its heading.
+    pub fn stamp(&self, report: &str) -> String {
+        let mut out = String::with_capacity(report.len() + 256);
+        let mut lines = report.lines().peekable();
+        while let Some(line) = lines.next() {
+            out.push_str(line);
+            out.push('\n');
+            if line.starts_with("## ") {
+                out.push('\n');
+                out.push_str(&self.line);
+                out.push('\n');
+                // An old stamp (a section measured again) is replaced.
+                while lines
+                    .peek()
+                    .is_some_and(|l| l.is_empty() || l.starts_with(STAMP))
+                {
+                    lines.next();
+                }
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+/// Writes a full run's `report` (its sections) and `notes` as the whole file.
+pub fn write_report(path: &Path, run: &Run, report: &str, notes: &str) -> anyhow::Result<()> {
+    std::fs::write(path, format!("{TITLE}\n{}\n{notes}\n", run.stamp(report)))?;
+    Ok(())
+}
+
+/// Replaces (or appends) the section headed `heading` in the report at
+/// `path` with `section`, stamped with `run`.
+pub fn write_section(path: &Path, run: &Run, heading: &str, section: &str) -> anyhow::Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_else(|_| TITLE.into());
+    let section = run.stamp(section);
+    let new = match old.find(heading) {
+        Some(start) => {
+            let rest = &old[start + heading.len()..];
+            let end = rest
+                .find("\n## ")
+                .or_else(|| rest.find("\nNotes:"))
+                .map_or(old.len(), |i| start + heading.len() + i + 1);
+            format!("{}{section}\n{}", &old[..start], &old[end..])
+        }
+        // New sections go before the closing notes.
+        None => match old.find("\nNotes:") {
+            Some(notes) => format!("{}\n{section}\n{}", &old[..notes + 1], &old[notes + 1..]),
+            None => format!("{}\n\n{section}", old.trim_end()),
+        },
+    };
+    std::fs::write(path, new)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_section_measured_again_carries_one_stamp() {
+        let run = Run {
+            line: format!("{STAMP}today._"),
+        };
+        let once = run.stamp("## A\n\nfigures\n");
+        assert_eq!(once, "## A\n\n_Measured today._\n\nfigures\n");
+        let later = Run {
+            line: format!("{STAMP}tomorrow._"),
+        };
+        assert_eq!(
+            later.stamp(&once),
+            "## A\n\n_Measured tomorrow._\n\nfigures\n"
+        );
+    }
+}
