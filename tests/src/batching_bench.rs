@@ -196,7 +196,7 @@ fn batching_limits(model: &std::path::Path, rounds: usize) -> anyhow::Result<Str
     let full_stack_bound = (one + head) / (sixteen / largest as f64 + head);
     let heads_only_bound = (one + head) / head;
     Ok(format!(
-        "\nWhat bounds the kept-quantized ratio here, each part measured alone in the same run (`crate::span_batching`; \
+        "\nWhat bounds the kept-quantized ratio here, each part measured alone in the same run (`corolla_tests::span_batching`; \
          medians of {rounds} rounds):\n\n\
          The default model's 30 blocks kept quantized ({:.1} MB of Q4_1 blocks, {:.0} M multiply-adds a row), decode steps of B \
          sessions with 64 cached positions each through `BlockSpan::forward_decode_batch` (the server's compute core, no \

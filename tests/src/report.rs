@@ -33,8 +33,18 @@ impl Run {
         let date =
             output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_else(|| "date unknown".into());
         let commit = match output("git", &["rev-parse", "--short=10", "HEAD"]) {
-            Some(commit) => match output("git", &["status", "--porcelain", "--untracked-files=no"])
-            {
+            // The reports themselves change as sections are written.
+            Some(commit) => match output(
+                "git",
+                &[
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":(exclude)*.md",
+                ],
+            ) {
                 Some(changes) if !changes.is_empty() => {
                     format!("{commit} with uncommitted changes")
                 }
