@@ -32,30 +32,43 @@ pub fn group(
         assert!(x.sums.len() >= per_row);
     }
     let w = weights.as_ptr();
-    let row = |r: usize| Row {
-        values: xs[r].values.as_ptr(),
-        scales: xs[r].scales.as_ptr(),
-        sums: xs[r].sums.as_ptr(),
-    };
+    let mut rows = [Row {
+        values: std::ptr::null(),
+        scales: std::ptr::null(),
+        sums: std::ptr::null(),
+    }; MAX_ACTIVATIONS];
+    for (row, x) in rows.iter_mut().zip(xs) {
+        *row = Row {
+            values: x.values.as_ptr(),
+            scales: x.scales.as_ptr(),
+            sums: x.sums.as_ptr(),
+        };
+    }
+    let rows = &rows[..xs.len()];
     // SAFETY: `available()` held when this kernel was chosen, and the
     // asserts above keep every read inside the slices.
     unsafe {
         match format {
-            Nibbles::Q4_0 => match xs.len() {
-                1 => store(out, tile::<1, true>(per_row, w, [row(0)])),
-                2 => store(out, tile::<2, true>(per_row, w, [row(0), row(1)])),
-                3 => store(out, tile::<3, true>(per_row, w, [row(0), row(1), row(2)])),
-                4 => store(out, tile::<4, true>(per_row, w, [0, 1, 2, 3].map(row))),
-                _ => {}
-            },
-            Nibbles::Q4_1 => match xs.len() {
-                1 => store(out, tile::<1, false>(per_row, w, [row(0)])),
-                2 => store(out, tile::<2, false>(per_row, w, [row(0), row(1)])),
-                3 => store(out, tile::<3, false>(per_row, w, [row(0), row(1), row(2)])),
-                4 => store(out, tile::<4, false>(per_row, w, [0, 1, 2, 3].map(row))),
-                _ => {}
-            },
+            Nibbles::Q4_0 => tiles::<true>(per_row, w, rows, out),
+            Nibbles::Q4_1 => tiles::<false>(per_row, w, rows, out),
         }
+    }
+}
+
+/// [`tile`] for as many rows as `x` holds (at most four).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tiles<const OFFSET: bool>(
+    per_row: usize,
+    w: *const u8,
+    x: &[Row],
+    out: &mut [[f32; GROUP]],
+) {
+    match *x {
+        [a] => store(out, tile::<1, OFFSET>(per_row, w, [a])),
+        [a, b] => store(out, tile::<2, OFFSET>(per_row, w, [a, b])),
+        [a, b, c] => store(out, tile::<3, OFFSET>(per_row, w, [a, b, c])),
+        [a, b, c, d] => store(out, tile::<4, OFFSET>(per_row, w, [a, b, c, d])),
+        _ => {}
     }
 }
 
