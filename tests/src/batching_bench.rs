@@ -9,7 +9,6 @@ use corolla_client::{GenerateRequest, SessionSettings};
 use corolla_model::fingerprint::block_hashes;
 use corolla_model::random::write_random_checkpoint;
 use corolla_model::{Checkpoint, ClientHead, DType, Device, QuantizedWeights, SamplingParams};
-use corolla_server::{Server, ServerArgs};
 use corolla_shared::WireDType;
 
 pub const BATCHING_HEADING: &str = "## One server, many sessions: continuous batching";
@@ -25,38 +24,27 @@ async fn bench_batching_of(
     quantized: QuantizedWeights,
 ) -> anyhow::Result<(String, f64, f64)> {
     let ck = Checkpoint::open(model)?.with_quantized_weights(quantized);
-    let quantized_flag = match quantized {
-        QuantizedWeights::Auto => "auto",
-        QuantizedWeights::Keep => "keep",
-        QuantizedWeights::Dequantize => "dequantize",
-    };
     let layers = ck.config().num_hidden_layers;
     let vocab = ck.config().vocab_size as u32;
     let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
-    let model_arg = model.to_string_lossy().into_owned();
-    let mut args: Vec<String> = [
-        "corolla-server",
-        "--model",
-        &model_arg,
-        "--block-indices",
+    let server = crate::start_model_server(
+        model,
         &format!("0:{layers}"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--new-swarm",
-        "--max-sessions",
-        "16",
-        "--max-sessions-per-peer",
-        "16",
-    ]
-    .map(String::from)
-    .to_vec();
-    args.extend(["--update-period".into(), "30s".into()]);
-    args.extend(["--max-batch-wait".into(), max_batch_wait.into()]);
-    args.extend(["--quantized".into(), quantized_flag.into()]);
-    let args = ServerArgs::from_args_and_file(args)?;
-    let server = Server::start(args).await?;
+        None,
+        &[
+            "--max-sessions",
+            "16",
+            "--max-sessions-per-peer",
+            "16",
+            "--update-period",
+            "30s",
+            "--max-batch-wait",
+            max_batch_wait,
+            "--quantized",
+            quantized.as_str(),
+        ],
+    )
+    .await;
     let node = connect(&[server.tcp_addr().expect("tcp").clone()]).await?;
     let mut settings = SessionSettings::new(server.model(), layers, 256, WireDType::F32);
     settings.expected_blocks = Some(block_hashes(&ck, 0, layers)?);

@@ -511,11 +511,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     let num_layers = super::args::open_checkpoint(&path)?
         .config()
         .num_hidden_layers;
-    let quantized = match args.quantized {
-        QuantizedWeights::Auto => "auto",
-        QuantizedWeights::Keep => "keep",
-        QuantizedWeights::Dequantize => "dequantize",
-    };
+    let quantized = args.quantized.as_str();
     let rt = runtime()?;
     let signals = Signals::install(&rt);
     let web = WebOptions {

@@ -15,15 +15,24 @@ pub enum QuantizedWeights {
     Dequantize,
 }
 
+impl QuantizedWeights {
+    /// The choice as `--quantized` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Keep => "keep",
+            Self::Dequantize => "dequantize",
+        }
+    }
+}
+
 impl std::str::FromStr for QuantizedWeights {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "keep" => Ok(Self::Keep),
-            "dequantize" => Ok(Self::Dequantize),
-            other => Err(format!("{other:?} is not one of auto, keep, dequantize")),
-        }
+        [Self::Auto, Self::Keep, Self::Dequantize]
+            .into_iter()
+            .find(|choice| choice.as_str() == s)
+            .ok_or_else(|| format!("{s:?} is not one of auto, keep, dequantize"))
     }
 }
 

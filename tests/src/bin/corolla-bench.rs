@@ -115,6 +115,15 @@ async fn demo_layout(model: &str, layers: usize) -> (Vec<RunningServer>, String)
     (servers, bootstrap)
 }
 
+/// Prints a section and, with `--write`, writes it into the report.
+fn emit(cli: &BenchArgs, run: &Run, heading: &str, section: &str) -> anyhow::Result<()> {
+    println!("{section}");
+    if let Some(file) = &cli.write {
+        write_section(file, run, heading, section)?;
+    }
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     // Quiet unless RUST_LOG asks: the servers run in this process.
@@ -128,17 +137,12 @@ async fn main() -> anyhow::Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", "2");
     }
     let cli = <BenchArgs as clap::Parser>::parse();
-    let write_to = cli.write.clone();
     let run = Run::here();
     if let Some(dir) = &cli.page_figures {
         // Figures the Chromium tests measured, as a section of the report.
         use corolla_tests::page_figures::{page_section, PAGE_HEADING};
         let section = page_section(dir)?;
-        println!("{section}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, PAGE_HEADING, &section)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, PAGE_HEADING, &section);
     }
     if cli.wire_quality {
         use corolla_tests::wire_quality::{wire_quality_section, WIRE_QUALITY_HEADING};
@@ -148,21 +152,13 @@ async fn main() -> anyhow::Result<()> {
         let section =
             tokio::task::spawn_blocking(move || wire_quality_section(&model, prompts, new_tokens))
                 .await??;
-        println!("{section}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, WIRE_QUALITY_HEADING, &section)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, WIRE_QUALITY_HEADING, &section);
     }
     if cli.compute {
         let section =
             bench_compute_section(cli.rounds.unwrap_or(5), cli.new_tokens.unwrap_or(128)).await?;
-        println!("{section}");
-        if let Some(file) = write_to {
-            use corolla_tests::compute_bench::COMPUTE_HEADING;
-            write_section(&file, &run, COMPUTE_HEADING, &section)?;
-        }
-        return Ok(());
+        use corolla_tests::compute_bench::COMPUTE_HEADING;
+        return emit(&cli, &run, COMPUTE_HEADING, &section);
     }
     if cli.quantization_quality {
         use corolla_tests::wire_quality::{kept_quantized_section, KEPT_QUANTIZED_HEADING};
@@ -173,11 +169,7 @@ async fn main() -> anyhow::Result<()> {
             kept_quantized_section(&model, prompts, new_tokens)
         })
         .await??;
-        println!("{section}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, KEPT_QUANTIZED_HEADING, &section)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, KEPT_QUANTIZED_HEADING, &section);
     }
     if cli.wan {
         use corolla_tests::wan_bench::{bench_wan, WAN_HEADING};
@@ -185,32 +177,20 @@ async fn main() -> anyhow::Result<()> {
         let section = tokio::task::spawn_blocking(move || bench_wan(rounds, new_tokens))
             .await??
             .ok_or_else(|| anyhow::anyhow!("--wan needs network namespaces (root, iproute2)"))?;
-        println!("{section}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, WAN_HEADING, &section)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, WAN_HEADING, &section);
     }
     if cli.only_chat {
         // One section alone, written into the existing report.
         let path = corolla_tests::default_model()
             .ok_or_else(|| anyhow::anyhow!("the chat benchmark needs the default model"))?;
         let section = bench_chat_turns(&path, cli.rounds.unwrap_or(3)).await?;
-        println!("{section}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, CHAT_HEADING, &section)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, CHAT_HEADING, &section);
     }
     let rounds = cli.rounds.unwrap_or(5);
     let new_tokens = cli.new_tokens.unwrap_or(128);
     if cli.only_batching {
         let section = bench_batching(rounds, new_tokens).await?;
-        println!("{section}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, BATCHING_HEADING, &section)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, BATCHING_HEADING, &section);
     }
     let servers_n = 4;
     let spec = corolla_tests::bench_spec();
@@ -318,11 +298,7 @@ async fn main() -> anyhow::Result<()> {
         spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size
     );
     if cli.only_swarm {
-        println!("{report}");
-        if let Some(file) = write_to {
-            write_section(&file, &run, SWARM_HEADING, &report)?;
-        }
-        return Ok(());
+        return emit(&cli, &run, SWARM_HEADING, &report);
     }
     let recovery = bench_recovery(
         &node,
@@ -357,8 +333,8 @@ async fn main() -> anyhow::Result<()> {
     let report =
         format!("{report}\n{recovery}\n{default_model}\n{chat}\n{compute}\n{batching}\n{browser}");
     println!("{report}");
-    if let Some(path) = write_to {
-        write_report(&path, &run, &report, NOTES)?;
+    if let Some(path) = &cli.write {
+        write_report(path, &run, &report, NOTES)?;
     }
     Ok(())
 }
