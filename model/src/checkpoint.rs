@@ -33,7 +33,7 @@ pub use crate::weight_file::{RawDType, RawTensor};
 mod quantized_weights;
 mod weights;
 
-pub use quantized_weights::{QuantizedWeights, AUTO_DEQUANTIZE_LIMIT};
+pub use quantized_weights::QuantizedWeights;
 pub use weights::Weights;
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -291,12 +291,7 @@ impl Checkpoint {
 
     /// Applies a [`QuantizedWeights`] choice.
     pub fn with_quantized_weights(self, choice: QuantizedWeights) -> Self {
-        let dequantize = match choice {
-            QuantizedWeights::Keep => false,
-            QuantizedWeights::Dequantize => true,
-            QuantizedWeights::Auto => self.config.parameter_count() * 4 <= AUTO_DEQUANTIZE_LIMIT,
-        };
-        self.with_dequantize(dequantize)
+        self.with_dequantize(choice.dequantizes())
     }
 
     /// Whether quantized weights are loaded dense.

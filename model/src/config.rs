@@ -225,25 +225,6 @@ impl LlamaConfig {
         Self::from_raw(raw)
     }
 
-    /// Parameters of the whole model (biases and norms included).
-    pub fn parameter_count(&self) -> u64 {
-        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
-        let q = (self.num_attention_heads * self.head_dim) as u64;
-        let kv = (self.num_key_value_heads * self.head_dim) as u64;
-        let mut layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
-        layer += self.attention_bias_parameters();
-        if self.mlp_bias {
-            layer += 2 * i + h;
-        }
-        let embeddings = self.vocab_size as u64 * h;
-        let head = if self.tie_word_embeddings {
-            0
-        } else {
-            embeddings
-        };
-        self.num_hidden_layers as u64 * layer + embeddings + head + h
-    }
-
     /// This config as a Hugging Face `config.json` that [`Self::from_json`]
     /// reads back unchanged (what `corolla convert` writes for GGUF sources).
     pub fn to_hf_json(&self) -> serde_json::Value {

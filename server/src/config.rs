@@ -172,8 +172,9 @@ pub struct ServerArgs {
     /// Compute dtype: auto, f32, f16 or bf16.
     #[arg(long, env = "COROLLA_DTYPE", default_value = "auto")]
     pub dtype: ModelDType,
-    /// Quantized (GGUF) weights: keep (least memory), dequantize (exact
-    /// float math) or auto (dequantize models of at most 2 GiB in f32).
+    /// Quantized (GGUF) weights: keep (least memory, fastest on CPU),
+    /// dequantize (exact float math) or auto (Corolla's choice for the
+    /// model; today keep for every GGUF).
     #[arg(long, env = "COROLLA_QUANTIZED", default_value = "auto")]
     pub quantized: QuantizedWeights,
     /// File holding this server's key, created if absent, for a stable peer id.

@@ -89,6 +89,31 @@ impl SmolReference {
     }
 }
 
+/// One prompt of [`LlamaCppReference`].
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaCppRun {
+    pub prompt: String,
+    pub chat: bool,
+    pub input_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+}
+
+/// llama.cpp's greedy tokens for the prompts of [`SmolReference`], computed
+/// from the default model's quantized blocks as they are stored
+/// (`tests/reference/smollm2_llamacpp.mjs`): the reference of
+/// `--quantized keep`, and so of the default `auto`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaCppReference {
+    pub runs: Vec<LlamaCppRun>,
+}
+
+impl LlamaCppReference {
+    pub fn load() -> Self {
+        let path = fixtures_dir().join("smollm2").join("llamacpp.json");
+        serde_json::from_slice(&std::fs::read(path).expect("llama.cpp reference")).expect("json")
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct GoldenPrompt {
     pub prompt: String,

@@ -87,7 +87,7 @@ fn assert_route_covers(page: &Value, num_layers: u64) {
     assert_eq!(next, num_layers, "route {route:?}");
 }
 
-const FRANCE: &str = "What is the capital of France?";
+const GERMANY: &str = "What is the capital of Germany?";
 
 #[test]
 fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
@@ -105,8 +105,8 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
     let run = run_page_with(
         &format!("{http}/?transport=webrtc-direct"),
         &[
-            FRANCE,
-            "And of Germany?",
+            GERMANY,
+            "And of France?",
             "Tell me a long story about a dragon.",
         ],
         24,
@@ -115,10 +115,10 @@ fn chat_page_over_webrtc_and_widget_over_websocket_match_generate() {
         || {},
     );
     let answer = first_answer(&run);
-    let native = native_chat(&model, &bootstrap, FRANCE, None, 24);
+    let native = native_chat(&model, &bootstrap, GERMANY, None, 24);
     assert_same_tokens(&answer, &native);
     assert!(
-        answer["text"].as_str().unwrap().contains("Paris"),
+        answer["text"].as_str().unwrap().contains("Berlin"),
         "{answer}"
     );
     assert_route_covers(&answer, 30);
@@ -244,14 +244,14 @@ fn chat_page_renders_markdown_regenerates_edits_and_keeps_the_conversation() {
     let bootstrap = swarm.servers[0].tcp_addr();
     let run = run_page_with(
         &format!("{http}/?transport=websocket"),
-        &[FRANCE, "And of Germany?"],
+        &[GERMANY, "And of France?"],
         24,
         "chat-page-features",
         &["--ui-check"],
         || {},
     );
     let answer = first_answer(&run);
-    assert_same_tokens(&answer, &native_chat(&model, &bootstrap, FRANCE, None, 24));
+    assert_same_tokens(&answer, &native_chat(&model, &bootstrap, GERMANY, None, 24));
     assert_steady_layout(&run);
 
     let md = event(&run, "markdown");
@@ -282,7 +282,7 @@ fn chat_page_renders_markdown_regenerates_edits_and_keeps_the_conversation() {
     // Edit the last question: it goes back to the input with its answer gone,
     // and the edited question reuses the first turn's positions.
     let edit = event(&run, "edit");
-    assert_eq!(edit["input"], "And of Germany?");
+    assert_eq!(edit["input"], "And of France?");
     assert_eq!(
         edit["after"].as_u64().unwrap() + 2,
         edit["before"].as_u64().unwrap()
@@ -371,7 +371,7 @@ fn page_recovers_when_the_server_in_use_is_killed() {
     // The browser logs its failed redials of the killed server.
     let run = run_page_with(
         &format!("{http}/?transport=webrtc-direct"),
-        &[FRANCE],
+        &[GERMANY],
         40,
         "chat-page-recovered",
         &[
@@ -398,7 +398,7 @@ fn page_recovers_when_the_server_in_use_is_killed() {
         Some(swarm.servers[survivor].peer_id()),
         "{recoveries:?}"
     );
-    let native = native_chat(&model, &swarm.servers[0].tcp_addr(), FRANCE, None, 40);
+    let native = native_chat(&model, &swarm.servers[0].tcp_addr(), GERMANY, None, 40);
     assert_same_tokens(&answer, &native);
 }
 

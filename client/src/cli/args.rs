@@ -115,8 +115,8 @@ pub(crate) struct ModelArgs {
     /// Compute dtype: auto, f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: ModelDType,
-    /// Quantized (GGUF) weights of a --local run: keep, dequantize or auto
-    /// (dequantize models of at most 2 GiB in f32, as servers do by default).
+    /// Quantized (GGUF) weights of a --local run and of the LM head: keep,
+    /// dequantize or auto (as servers do by default; today keep).
     #[arg(long, default_value = "auto")]
     pub quantized: QuantizedWeights,
 }

@@ -416,7 +416,7 @@ async fn bench_default_model(path: &std::path::Path, rounds: usize) -> anyhow::R
     let (local, swarm) = (median(local_tps), median(swarm_tps));
     Ok(format!(
         "## Default model, `corolla demo`'s layout (`corolla-bench`, same run)\n\n\
-         SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to f32 (`--quantized auto`), CPU. A chat prompt of {} tokens, \
+         SmolLM2-135M-Instruct Q4_1 GGUF, kept quantized (`--quantized auto`), CPU. A chat prompt of {} tokens, \
          {new_tokens} greedy tokens; local (one process) vs three servers of {} blocks each on loopback, in the \
          benchmark's process; medians of {rounds} rounds after a warm-up. Tokens per second include the prefill.\n\n\
          | run | tokens/s |\n|---|---|\n| local (one process) | {local:.1} |\n| swarm (3 servers) | {swarm:.1} |\n\n\

@@ -326,7 +326,7 @@ fn decode_rows(gpu: &Device, span: &BlockSpan, floor: f64) -> Result<String> {
 }
 
 /// The same Llama-2-70B-shaped blocks as a Q4_K GGUF kept quantized (what
-/// every 70B swarm serves: `--quantized auto` keeps models over 2 GiB), one
+/// every 70B swarm serves: `--quantized auto` keeps GGUF weights quantized), one
 /// and 8 sessions' decode steps against the time to read the Q4_K weights once.
 fn span_70b_kept_quantized(gpu: &Device, layers: usize) -> Result<String> {
     use corolla_model::random_gguf::{write_random_gguf, ModelShape, RandomGguf, WeightQuant};

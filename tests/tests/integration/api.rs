@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use corolla_tests::{corolla_bin, default_model, start_model_server};
 use serde_json::Value;
 
-const FRANCE: &str = "What is the capital of France?";
+const GERMANY: &str = "What is the capital of Germany?";
 const KEY: &str = "test-key";
 
 /// The venv's python with `openai` installed: `COROLLA_OPENAI_PYTHON`, else
@@ -92,7 +92,7 @@ fn run_check(python: &Path, api: &Api, model: &str, mode: &str) -> Value {
     let out = Command::new(python)
         .arg(script)
         .args(["--base-url", &api.base, "--api-key", KEY, "--model", model])
-        .args(["--prompt", FRANCE, "--mode", mode])
+        .args(["--prompt", GERMANY, "--mode", mode])
         .output()
         .expect("run the openai check");
     assert!(
@@ -182,7 +182,7 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
     let model_arg = model.to_str().unwrap();
     let expected = generate_json(
         model,
-        &["--initial-peers", peer, "--chat", "--prompt", FRANCE],
+        &["--initial-peers", peer, "--chat", "--prompt", GERMANY],
     );
     let expected_short = generate_json(
         model,
@@ -191,14 +191,14 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
             peer,
             "--chat",
             "--prompt",
-            FRANCE,
+            GERMANY,
             "--max-new-tokens",
             "24",
         ],
     );
     let expected_text = expected_short["text"].as_str().unwrap();
     let expected_tokens = expected_short["generated_ids"].as_array().unwrap().len();
-    assert!(expected["text"].as_str().unwrap().contains("Paris"));
+    assert!(expected["text"].as_str().unwrap().contains("Berlin"));
 
     let api = Api::start(&["--model", model_arg, "--initial-peers", peer]);
     let got = run_check(python, &api, name, "full");
@@ -299,7 +299,7 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
     // curl -N: server-sent events, one chunk per piece, then [DONE].
     let body = serde_json::json!({
         "model": name, "stream": true, "temperature": 0, "max_tokens": 24,
-        "messages": [{"role": "user", "content": FRANCE}],
+        "messages": [{"role": "user", "content": GERMANY}],
     })
     .to_string();
     let started = Instant::now();
