@@ -316,8 +316,10 @@ impl Checkpoint {
 
     /// How Q and K rows are laid out for rotary embeddings.
     pub fn rope_layout(&self) -> RopeLayout {
-        // llama.cpp permutes Q and K only for its `llama` architecture.
-        if self.is_gguf() && self.config.family != crate::config::Family::Qwen2 {
+        // llama.cpp permutes Q and K only for its `llama` architecture
+        // (which Mistral files use too).
+        use crate::config::Family;
+        if self.is_gguf() && matches!(self.config.family, Family::Llama | Family::Mistral) {
             RopeLayout::Interleaved
         } else {
             RopeLayout::Halves

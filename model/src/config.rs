@@ -33,10 +33,12 @@ pub enum Family {
     Mistral,
     /// Biases on the Q, K and V projections (not on the output one).
     Qwen2,
+    /// No biases; each head's query and key RMS-normalised before the rotation.
+    Qwen3,
 }
 
 impl Family {
-    const ALL: [Family; 3] = [Family::Llama, Family::Mistral, Family::Qwen2];
+    const ALL: [Family; 4] = [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3];
 
     /// The transformers class name.
     pub fn architecture(self) -> &'static str {
@@ -44,6 +46,7 @@ impl Family {
             Family::Llama => "LlamaForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -53,6 +56,7 @@ impl Family {
             Family::Llama => "llama",
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
         }
     }
 
@@ -95,6 +99,9 @@ pub struct LlamaConfig {
     /// Biases on the Q, K and V projections only (Qwen2).
     pub qkv_bias: bool,
     pub mlp_bias: bool,
+    /// RMSNorm over each head's query and key before the rotation (Qwen3).
+    #[serde(default)]
+    pub qk_norm: bool,
     /// Each position attends to at most this many positions (itself
     /// included); `None`: to every earlier one.
     pub sliding_window: Option<usize>,
@@ -188,7 +195,12 @@ impl LlamaConfig {
         let attention_bias = self.attention_bias_parameters();
         let mlp = 3 * h * i;
         let mlp_bias = if self.mlp_bias { 2 * i + h } else { 0 };
-        attention + attention_bias + mlp + mlp_bias + 2 * h
+        let qk_norm = if self.qk_norm {
+            2 * self.head_dim as u64
+        } else {
+            0
+        };
+        attention + attention_bias + qk_norm + mlp + mlp_bias + 2 * h
     }
 
     fn attention_bias_parameters(&self) -> u64 {
@@ -365,9 +377,9 @@ impl LlamaConfig {
             Some(r) => parse_rope_scaling(r, raw.max_position_embeddings)?,
         };
 
-        // Qwen2 configs carry a window they do not use unless told to.
+        // Qwen configs carry a window they do not use unless told to.
         let sliding_window = match family {
-            Family::Qwen2 if raw.use_sliding_window != Some(true) => None,
+            Family::Qwen2 | Family::Qwen3 if raw.use_sliding_window != Some(true) => None,
             _ if raw.use_sliding_window == Some(false) => None,
             _ => raw.sliding_window,
         };
@@ -405,6 +417,7 @@ impl LlamaConfig {
             attention_bias: raw.attention_bias,
             qkv_bias: raw.qkv_bias.unwrap_or(family == Family::Qwen2),
             mlp_bias: raw.mlp_bias,
+            qk_norm: family == Family::Qwen3,
             sliding_window,
             bos_token_id: raw.bos_token_id,
             eos_token_ids,

@@ -16,7 +16,7 @@ pub enum ModelError {
     InvalidFile { path: PathBuf, message: String },
     #[error("invalid model config: {0}")]
     InvalidConfig(String),
-    #[error("unsupported architecture {0:?}: Corolla runs Llama-family models (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; GGUF: llama, mistral, qwen2)")]
+    #[error("unsupported architecture {0:?}: Corolla runs Llama-family models (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; GGUF: llama, qwen2, qwen3)")]
     UnsupportedArchitecture(String),
     #[error("no weights in {0}: expected model.safetensors, model.safetensors.index.json or corolla-index.json")]
     NoWeights(PathBuf),

@@ -33,6 +33,8 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("self_attn.k_proj", "attn_k"),
     ("self_attn.v_proj", "attn_v"),
     ("self_attn.o_proj", "attn_output"),
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
     ("post_attention_layernorm", "ffn_norm"),
     ("mlp.gate_proj", "ffn_gate"),
     ("mlp.up_proj", "ffn_up"),
@@ -280,15 +282,16 @@ impl GgufFile {
     }
 
     /// The model's configuration, from the `<architecture>.*` metadata
-    /// (`llama` and `qwen2`; llama.cpp stores Mistral models as `llama`).
+    /// (`llama`, `qwen2` and `qwen3`; llama.cpp stores Mistral models as `llama`).
     pub fn config(&self) -> Result<LlamaConfig> {
         let arch = self.string("general.architecture").unwrap_or("");
         let family = match arch {
             "llama" => Family::Llama,
             "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
             other => {
                 return Err(ModelError::UnsupportedArchitecture(format!(
-                    "GGUF architecture {other:?} (supported: llama, qwen2)"
+                    "GGUF architecture {other:?} (supported: llama, qwen2, qwen3)"
                 )))
             }
         };

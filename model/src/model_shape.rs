@@ -18,16 +18,25 @@ pub enum ModelShape {
     Llama3_70b,
     /// Qwen2.5 72B: hidden 8192, 64/8 heads, FFN 29568, vocabulary 152064, QKV biases.
     Qwen25_72b,
+    /// Qwen3 32B: hidden 5120, 64/8 heads of 128 (queries 8192 wide, more
+    /// than the hidden size), FFN 25600, vocabulary 151936, per-head Q/K norms.
+    Qwen3_32b,
 }
 
 impl ModelShape {
-    pub const ALL: [ModelShape; 3] = [Self::Llama2_70b, Self::Llama3_70b, Self::Qwen25_72b];
+    pub const ALL: [ModelShape; 4] = [
+        Self::Llama2_70b,
+        Self::Llama3_70b,
+        Self::Qwen25_72b,
+        Self::Qwen3_32b,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Llama2_70b => "llama-2-70b",
             Self::Llama3_70b => "llama-3-70b",
             Self::Qwen25_72b => "qwen2.5-72b",
+            Self::Qwen3_32b => "qwen3-32b",
         }
     }
 
@@ -50,6 +59,7 @@ impl ModelShape {
             attention_bias: false,
             qkv_bias: false,
             mlp_bias: false,
+            qk_norm: false,
             sliding_window: None,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
@@ -81,6 +91,19 @@ impl ModelShape {
                 qkv_bias: true,
                 bos_token_id: None,
                 eos_token_ids: vec![QWEN_FIRST_SPECIAL, QWEN_FIRST_SPECIAL + 2],
+                ..llama
+            },
+            Self::Qwen3_32b => LlamaConfig {
+                family: Family::Qwen3,
+                hidden_size: 5120,
+                intermediate_size: 25600,
+                vocab_size: 151_936,
+                max_position_embeddings: 40_960,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                qk_norm: true,
+                bos_token_id: None,
+                eos_token_ids: vec![QWEN_FIRST_SPECIAL + 2, QWEN_FIRST_SPECIAL],
                 ..llama
             },
         }

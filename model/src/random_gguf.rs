@@ -148,6 +148,7 @@ pub fn write_random_gguf(
     let arch = match cfg.family {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
     };
     let (tensors, fills) = tensor_plan(spec)?;
     let vocab = Vocabulary::build(spec.vocabulary, cfg.vocab_size)?;
@@ -210,6 +211,11 @@ fn tensor_plan(spec: &RandomGguf) -> Result<(Vec<TensorEntry>, Vec<Fill>)> {
             }
             if cfg.attention_bias && name == "self_attn.o_proj" {
                 plan.push((format!("{p}.{name}.bias"), vec![h], Fill::Spread(0.02)));
+            }
+        }
+        if cfg.qk_norm {
+            for name in ["self_attn.q_norm", "self_attn.k_norm"] {
+                plan.push((format!("{p}.{name}.weight"), vec![cfg.head_dim], Fill::Norm));
             }
         }
         plan.push((

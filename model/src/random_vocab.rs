@@ -59,7 +59,7 @@ impl Vocabulary {
                     merges: Vec::new(),
                 })
             }
-            ModelShape::Llama3_70b | ModelShape::Qwen25_72b => {
+            ModelShape::Llama3_70b | ModelShape::Qwen25_72b | ModelShape::Qwen3_32b => {
                 let (first_special, specials, pre) = if shape == ModelShape::Llama3_70b {
                     (
                         LLAMA3_FIRST_SPECIAL as usize,
@@ -296,7 +296,7 @@ pub(crate) fn chat_template(shape: ModelShape) -> Option<&'static str> {
     match shape {
         ModelShape::Llama2_70b => None,
         ModelShape::Llama3_70b => Some(LLAMA3_TEMPLATE),
-        ModelShape::Qwen25_72b => Some(QWEN_TEMPLATE),
+        ModelShape::Qwen25_72b | ModelShape::Qwen3_32b => Some(QWEN_TEMPLATE),
     }
 }
 

@@ -23,10 +23,31 @@ pub(crate) fn rms_norm(w: &Weights, name: &str, cfg: &LlamaConfig) -> Result<Rms
     Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
 }
 
+/// Qwen3's RMSNorm of each query and key head (over `head_dim`), before the rotation.
+#[derive(Debug, Clone)]
+struct HeadNorms {
+    query: RmsNorm,
+    key: RmsNorm,
+}
+
+impl HeadNorms {
+    fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
+        let norm = |name: &str| -> Result<RmsNorm> {
+            let weight = w.pp(name).get("weight", &[cfg.head_dim])?;
+            Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
+        };
+        Ok(HeadNorms {
+            query: norm("q_norm")?,
+            key: norm("k_norm")?,
+        })
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Attention {
     /// Q, K and V.
     qkv: Projections<3>,
+    head_norms: Option<HeadNorms>,
     o_proj: Linear,
     num_heads: usize,
     num_kv_heads: usize,
@@ -46,6 +67,7 @@ impl Attention {
                 linear(w, "k_proj", nkv * hd, h, qkv_bias)?,
                 linear(w, "v_proj", nkv * hd, h, qkv_bias)?,
             ])?,
+            head_norms: cfg.qk_norm.then(|| HeadNorms::load(w, cfg)).transpose()?,
             o_proj: linear(w, "o_proj", h, nh * hd, o_bias)?.interleaved()?,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -68,8 +90,9 @@ impl Attention {
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope.apply(&heads(q, nh)?, start)?;
-        let k = rope.apply(&heads(k, nkv)?, start)?;
+        let (q, k) = self.normed(heads(q, nh)?, heads(k, nkv)?)?;
+        let q = rope.apply(&q, start)?;
+        let k = rope.apply(&k, start)?;
         let v = heads(v, nkv)?;
         let out = self.attend(&q, &k, &v, start, cache, mask)?;
         self.o_proj.forward(&out)
@@ -92,8 +115,9 @@ impl Attention {
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((b, 1, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = rope.apply_rows(&heads(q, nh)?, rotation)?;
-        let k = rope.apply_rows(&heads(k, nkv)?, rotation)?;
+        let (q, k) = self.normed(heads(q, nh)?, heads(k, nkv)?)?;
+        let q = rope.apply_rows(&q, rotation)?;
+        let k = rope.apply_rows(&k, rotation)?;
         let v = heads(v, nkv)?;
         if decode_attention::supported(q.dtype(), q.device()) {
             for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
@@ -118,6 +142,14 @@ impl Attention {
         }
         let out = Tensor::cat(&rows, 0)?.reshape((b, nh * hd))?;
         self.o_proj.forward(&out)
+    }
+
+    /// Queries and keys (`[b, heads, t, hd]`) through the head norms, where the model has them.
+    fn normed(&self, q: Tensor, k: Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(match &self.head_norms {
+            Some(norms) => (norms.query.forward(&q)?, norms.key.forward(&k)?),
+            None => (q, k),
+        })
     }
 
     /// Writes `k`, `v` (`[b, kv heads, t, hd]`) at `start` into the cache and

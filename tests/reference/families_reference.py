@@ -11,26 +11,33 @@ transformers computes with it:
   * qwen2:   Qwen2ForCausalLM (biases on Q, K and V, none on O; rope theta
              1e6; tied embeddings, as the small Qwens);
   * mistral: MistralForCausalLM with a sliding window of 8, shorter than the
-             prompts, so the window changes the numbers.
+             prompts, so the window changes the numbers;
+  * qwen3:   Qwen3ForCausalLM (each head's query and key RMS-normalised
+             before the rotation, no biases, head_dim 32 on a hidden size
+             of 64; tied embeddings).
+
+With family names as arguments, only those are made again and golden.json
+keeps the others' recorded outputs.
 
 Writes tests/fixtures/families/<family>/ (config.json, model.safetensors,
 tokenizer.json copied from tiny-llama-a), the same weights as GGUF the way
 llama.cpp's converter writes them (tests/fixtures/families/<family>.gguf:
 architecture `llama` for Llama 3 and Mistral, with Q/K rows permuted for the
 interleaved rotary layout and llama3 scaling as a `rope_freqs` tensor;
-`qwen2` as it is), and tests/fixtures/families/golden.json: per family and
+`qwen2` and `qwen3` as they are), and tests/fixtures/families/golden.json: per family and
 prompt, the prompt ids, 24 greedy tokens from generate() with the KV cache,
 and the last position's logits of a plain forward over the prompt; the first
 prompt is text, tokenized by transformers from tokenizer.json.
 
     python3 -m venv ~/.cache/corolla/ref-venv
-    ~/.cache/corolla/ref-venv/bin/pip install torch transformers safetensors
+    ~/.cache/corolla/ref-venv/bin/pip install torch transformers safetensors gguf numpy
     ~/.cache/corolla/ref-venv/bin/python tests/reference/families_reference.py
 """
 
 import json
 import os
 import shutil
+import sys
 
 import gguf
 import numpy as np
@@ -44,6 +51,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +105,20 @@ FAMILIES = {
             sliding_window=8,
             tie_word_embeddings=False,
             bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # Per-head RMSNorm of Q and K before the rotation, no biases, and a head
+    # size other than hidden / heads (as Qwen3's: 128 with hidden 1024 and 16
+    # heads in the 0.6B model).
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
             eos_token_id=2,
         ),
     ),
@@ -152,7 +175,8 @@ def llama3_divisors(config):
 
 def write_gguf(model, family, path):
     config = model.config
-    arch = "qwen2" if family == "qwen2" else "llama"
+    # llama.cpp permutes Q and K rows only for its `llama` architecture.
+    arch = family if family in ("qwen2", "qwen3") else "llama"
     w = gguf.GGUFWriter(path, arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -189,6 +213,8 @@ def write_gguf(model, family, path):
         "self_attn.q_proj.bias": "attn_q.bias",
         "self_attn.k_proj.bias": "attn_k.bias",
         "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
@@ -211,9 +237,20 @@ def write_gguf(model, family, path):
 
 
 def main():
-    golden = {"transformers": transformers.__version__, "torch": torch.__version__, "families": {}}
+    # Families named on the command line are made again; the others' outputs
+    # stay as recorded (a newer transformers must not rewrite them unseen).
+    only = set(sys.argv[1:])
+    golden_path = os.path.join(OUT, "golden.json")
+    golden = {"families": {}}
+    if only and os.path.exists(golden_path):
+        with open(golden_path) as f:
+            golden = json.load(f)
+    golden.setdefault("versions", {})
     for seed, (family, (config_class, model_class, extra)) in enumerate(FAMILIES.items()):
-        config = config_class(**COMMON, **extra)
+        if only and family not in only:
+            continue
+        golden["versions"][family] = {"transformers": transformers.__version__, "torch": torch.__version__}
+        config = config_class(**{**COMMON, **extra})
         config._attn_implementation = "eager"
         torch.manual_seed(seed)
         model = model_class(config).eval()
@@ -248,7 +285,7 @@ def main():
                 }
             )
         golden["families"][family] = runs
-    with open(os.path.join(OUT, "golden.json"), "w") as f:
+    with open(golden_path, "w") as f:
         json.dump(golden, f)
     print(f"wrote {OUT}")
 

@@ -467,17 +467,13 @@ fn prefills_over_one_mib_cross_both_browser_transports() {
     }
 }
 
-/// Mistral (a sliding window of 8, shorter than the chat prompt; from
-/// tests/fixtures/families) in the page through two servers: the page's
-/// answer equals `corolla generate`'s, whose tokens the swarm test checks
-/// against transformers.
-#[test]
-fn page_answers_a_mistral_model_as_the_native_client_does() {
+/// `family`'s tiny model (tests/fixtures/families) in the page through two
+/// servers: the page's answer equals `corolla generate`'s, whose tokens the
+/// swarm test checks against transformers. Returns the page's answer.
+fn page_answers_as_the_native_client_does(family: &str) -> Option<Value> {
     let _one = serial();
-    let Some(mut swarm) = ready("a Mistral model in the page") else {
-        return;
-    };
-    let model = corolla_tests::fixtures_dir().join("families/mistral");
+    let mut swarm = ready(&format!("a {family} model in the page"))?;
+    let model = corolla_tests::fixtures_dir().join("families").join(family);
     swarm.start_page_server(&model, 0, 2, &[]);
     swarm.start_server(&model, 2, 3, &[]);
     let http = swarm.servers[0].http().expect("http").to_string();
@@ -486,14 +482,10 @@ fn page_answers_a_mistral_model_as_the_native_client_does() {
         &format!("{http}/?transport=websocket"),
         &[prompt],
         12,
-        "chat-page-mistral",
+        &format!("chat-page-{family}"),
         || {},
     );
     let answer = first_answer(&run);
-    assert!(
-        ids(&answer["prompt_ids"]).len() > 8,
-        "the prompt must outrun the window"
-    );
     let native = native_chat(
         &model,
         &swarm.servers[0].tcp_addr(),
@@ -503,6 +495,25 @@ fn page_answers_a_mistral_model_as_the_native_client_does() {
     );
     assert_same_tokens(&answer, &native);
     assert_route_covers(&answer, 3);
+    Some(answer)
+}
+
+/// Mistral: a sliding window of 8, shorter than the chat prompt.
+#[test]
+fn page_answers_a_mistral_model_as_the_native_client_does() {
+    let Some(answer) = page_answers_as_the_native_client_does("mistral") else {
+        return;
+    };
+    assert!(
+        ids(&answer["prompt_ids"]).len() > 8,
+        "the prompt must outrun the window"
+    );
+}
+
+/// Qwen3: per-head query and key norms, heads wider than hidden / heads.
+#[test]
+fn page_answers_a_qwen3_model_as_the_native_client_does() {
+    page_answers_as_the_native_client_does("qwen3");
 }
 
 /// A page whose swarm lacks a block: the answer fails with the kind

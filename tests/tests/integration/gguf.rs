@@ -235,9 +235,10 @@ mod seventy_b {
                 (
                     cfg.hidden_size,
                     cfg.num_attention_heads,
-                    cfg.num_key_value_heads
+                    cfg.num_key_value_heads,
+                    cfg.head_dim
                 ),
-                (8192, 64, 8),
+                (real.hidden_size, 64, 8, 128),
                 "{name}"
             );
             assert_eq!(cfg.intermediate_size, real.intermediate_size, "{name}");
@@ -271,6 +272,18 @@ mod seventy_b {
                     assert!(!ck.contains("model.layers.0.self_attn.o_proj.bias"));
                     // 29568 is not whole blocks of 256: llama.cpp's fallback.
                     assert_eq!(raw("model.layers.0.mlp.down_proj.weight"), "Q5_0");
+                }
+                ModelShape::Qwen3_32b => {
+                    assert_eq!(cfg.family, Family::Qwen3);
+                    assert_eq!(cfg.hidden_size, 5120);
+                    assert!(cfg.qk_norm && !cfg.qkv_bias && !cfg.attention_bias);
+                    assert_eq!(ck.rope_layout(), RopeLayout::Halves);
+                    for norm in ["q_norm", "k_norm"] {
+                        let t = format!("model.layers.0.self_attn.{norm}.weight");
+                        assert_eq!(ck.raw_tensor(&t).unwrap().shape, vec![128], "{t}");
+                    }
+                    assert!(!ck.contains("model.layers.0.self_attn.q_proj.bias"));
+                    assert_eq!(raw("model.layers.0.self_attn.o_proj.weight"), "Q4K");
                 }
             }
             let tokenizer = TextTokenizer::for_checkpoint(&ck).unwrap();
