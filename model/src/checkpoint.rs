@@ -317,9 +317,8 @@ impl Checkpoint {
     /// How Q and K rows are laid out for rotary embeddings.
     pub fn rope_layout(&self) -> RopeLayout {
         // llama.cpp permutes Q and K only for its `llama` architecture
-        // (which Mistral files use too).
-        use crate::config::Family;
-        if self.is_gguf() && matches!(self.config.family, Family::Llama | Family::Mistral) {
+        // (which Mistral and Mixtral files use too).
+        if self.is_gguf() && crate::gguf::architecture_of(self.config.family) == "llama" {
             RopeLayout::Interleaved
         } else {
             RopeLayout::Halves
@@ -421,6 +420,28 @@ impl Checkpoint {
 
     pub fn tokenizer_path(&self) -> PathBuf {
         self.dir.join(TOKENIZER_FILE)
+    }
+
+    /// The memory a block takes once loaded, averaged over the model's
+    /// blocks: quantized tensors kept at their stored size, the others in
+    /// `dtype`. `None` when some block's weights are not here (a server of
+    /// a repo downloads only its own blocks).
+    pub fn loaded_block_bytes(&self, dtype: DType) -> Option<u64> {
+        let layers = self.config.num_hidden_layers as u64;
+        let mut total = 0u64;
+        for name in self
+            .weight_map
+            .keys()
+            .filter(|n| n.starts_with("model.layers."))
+        {
+            let raw = self.raw_tensor(name).ok()?;
+            total += if raw.dtype.is_quantized() && !self.dequantize {
+                raw.data().len() as u64
+            } else {
+                raw.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64
+            };
+        }
+        Some(total / layers.max(1))
     }
 
     pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
@@ -547,6 +568,31 @@ impl Checkpoint {
         }
         check_shape(name, &raw.shape, shape)?;
         self.qtensor_of(&raw, name, device).map(Some)
+    }
+
+    /// Matrix `index` of the stacked tensor `name` (`shape`: `[count, rows,
+    /// columns]`, each expert's projection in a GGUF) in its stored
+    /// quantization, when it is quantized and kept so; `None` means "use
+    /// [`Self::tensor`] for the whole stack".
+    pub fn quantized_part(
+        &self,
+        name: &str,
+        index: usize,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<Option<QTensor>> {
+        if self.dequantize {
+            return Ok(None);
+        }
+        let raw = self.raw_tensor(name)?;
+        if !raw.dtype.is_quantized() {
+            return Ok(None);
+        }
+        check_shape(name, &raw.shape, shape)?;
+        match raw.file.as_ref() {
+            WeightFile::Gguf(g) => g.qtensor_part(name, index, device).map(Some),
+            _ => Ok(None),
+        }
     }
 
     pub fn weights(&self, dtype: DType, device: &Device) -> Weights<'_> {

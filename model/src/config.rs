@@ -35,10 +35,22 @@ pub enum Family {
     Qwen2,
     /// No biases; each head's query and key RMS-normalised before the rotation.
     Qwen3,
+    /// Mistral's attention with a mixture of experts in place of the MLP
+    /// (llama.cpp stores it as `llama` with expert tensors).
+    Mixtral,
+    /// Qwen3's attention with a mixture of experts in place of the MLP.
+    Qwen3Moe,
 }
 
 impl Family {
-    const ALL: [Family; 4] = [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3];
+    const ALL: [Family; 6] = [
+        Family::Llama,
+        Family::Mistral,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mixtral,
+        Family::Qwen3Moe,
+    ];
 
     /// The transformers class name.
     pub fn architecture(self) -> &'static str {
@@ -47,6 +59,8 @@ impl Family {
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -57,6 +71,8 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -77,6 +93,23 @@ impl Family {
             .join(", ")
     }
 }
+
+/// A mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): each token goes
+/// through `per_token` of `count` SwiGLU experts, weighted by the router's
+/// softmax over all of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertConfig {
+    pub count: usize,
+    pub per_token: usize,
+    /// Each expert's FFN width.
+    pub intermediate_size: usize,
+    /// The chosen experts' weights rescaled to sum to 1 (Mixtral always;
+    /// Qwen3-MoE with `norm_topk_prob`).
+    pub normalize: bool,
+}
+
+/// The most experts a layer may declare (Qwen3-MoE has 128).
+pub const MAX_EXPERTS: usize = 1024;
 
 /// The validated configuration of a Llama-family model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,6 +135,9 @@ pub struct LlamaConfig {
     /// RMSNorm over each head's query and key before the rotation (Qwen3).
     #[serde(default)]
     pub qk_norm: bool,
+    /// Every block's MLP is a mixture of experts.
+    #[serde(default)]
+    pub experts: Option<ExpertConfig>,
     /// Each position attends to at most this many positions (itself
     /// included); `None`: to every earlier one.
     pub sliding_window: Option<usize>,
@@ -142,6 +178,17 @@ struct RawConfig {
     /// Qwen2 keeps `sliding_window` in its config but uses it only when this is set.
     use_sliding_window: Option<bool>,
     hidden_act: Option<String>,
+    /// Mixtral's name for the expert count (and transformers 5's for Qwen3-MoE).
+    num_local_experts: Option<usize>,
+    /// Qwen3-MoE's name for it in transformers 4.
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    /// Qwen3-MoE's expert width (Mixtral's experts use `intermediate_size`).
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
     torch_dtype: Option<String>,
@@ -193,7 +240,10 @@ impl LlamaConfig {
         let kv = (self.num_key_value_heads * self.head_dim) as u64;
         let attention = h * q + 2 * h * kv + q * h;
         let attention_bias = self.attention_bias_parameters();
-        let mlp = 3 * h * i;
+        let mlp = match &self.experts {
+            Some(e) => e.count as u64 * (3 * h * e.intermediate_size as u64 + h),
+            None => 3 * h * i,
+        };
         let mlp_bias = if self.mlp_bias { 2 * i + h } else { 0 };
         let qk_norm = if self.qk_norm {
             2 * self.head_dim as u64
@@ -261,7 +311,7 @@ impl LlamaConfig {
                 serde_json::json!({"rope_type": CUSTOM_DIVISORS, "divisors": divisors})
             }
         };
-        serde_json::json!({
+        let mut json = serde_json::json!({
             "architectures": [self.family.architecture()],
             "model_type": self.family.model_type(),
             "hidden_act": "silu",
@@ -285,7 +335,14 @@ impl LlamaConfig {
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids,
             "torch_dtype": self.torch_dtype,
-        })
+        });
+        if let (Some(e), Some(map)) = (&self.experts, json.as_object_mut()) {
+            map.insert("num_local_experts".into(), e.count.into());
+            map.insert("num_experts_per_tok".into(), e.per_token.into());
+            map.insert("moe_intermediate_size".into(), e.intermediate_size.into());
+            map.insert("norm_topk_prob".into(), e.normalize.into());
+        }
+        json
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self> {
@@ -379,7 +436,11 @@ impl LlamaConfig {
 
         // Qwen configs carry a window they do not use unless told to.
         let sliding_window = match family {
-            Family::Qwen2 | Family::Qwen3 if raw.use_sliding_window != Some(true) => None,
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
+                if raw.use_sliding_window != Some(true) =>
+            {
+                None
+            }
             _ if raw.use_sliding_window == Some(false) => None,
             _ => raw.sliding_window,
         };
@@ -395,6 +456,7 @@ impl LlamaConfig {
                 ));
             }
         }
+        let experts = experts_of(&raw, family)?;
         let eos_token_ids = match raw.eos_token_id {
             None => Vec::new(),
             Some(OneOrMany::One(id)) => vec![id],
@@ -417,13 +479,65 @@ impl LlamaConfig {
             attention_bias: raw.attention_bias,
             qkv_bias: raw.qkv_bias.unwrap_or(family == Family::Qwen2),
             mlp_bias: raw.mlp_bias,
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
+            experts,
             sliding_window,
             bos_token_id: raw.bos_token_id,
             eos_token_ids,
             torch_dtype: raw.dtype.or(raw.torch_dtype),
         })
     }
+}
+
+/// The mixture of experts a config declares, checked.
+fn experts_of(raw: &RawConfig, family: Family) -> Result<Option<ExpertConfig>> {
+    let moe_family = matches!(family, Family::Mixtral | Family::Qwen3Moe);
+    let count = raw.num_local_experts.or(raw.num_experts).unwrap_or(0);
+    if count == 0 {
+        if moe_family {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} without experts (num_local_experts)",
+                family.architecture()
+            )));
+        }
+        return Ok(None);
+    }
+    if !moe_family {
+        return Err(ModelError::InvalidConfig(format!(
+            "{} has no experts, but the config declares {count}",
+            family.architecture()
+        )));
+    }
+    let invalid = |m: String| Err(ModelError::InvalidConfig(m));
+    if count > MAX_EXPERTS {
+        return invalid(format!("{count} experts (at most {MAX_EXPERTS})"));
+    }
+    let per_token = raw.num_experts_per_tok.unwrap_or(2);
+    if per_token == 0 || per_token > count {
+        return invalid(format!(
+            "num_experts_per_tok {per_token} must be 1 to {count}"
+        ));
+    }
+    // Qwen3-MoE can interleave dense and sparse blocks; its released models do not.
+    if raw.decoder_sparse_step.unwrap_or(1) != 1 || !raw.mlp_only_layers.is_empty() {
+        return invalid(
+            "dense blocks between expert blocks (decoder_sparse_step, mlp_only_layers) are not supported"
+                .into(),
+        );
+    }
+    let intermediate_size = match family {
+        Family::Qwen3Moe => raw.moe_intermediate_size.unwrap_or(raw.intermediate_size),
+        _ => raw.intermediate_size,
+    };
+    if intermediate_size == 0 {
+        return invalid("the experts' intermediate size must be positive".into());
+    }
+    Ok(Some(ExpertConfig {
+        count,
+        per_token,
+        intermediate_size,
+        normalize: family == Family::Mixtral || raw.norm_topk_prob.unwrap_or(false),
+    }))
 }
 
 fn parse_rope_scaling(r: &RawRope, max_positions: usize) -> Result<RopeScaling> {

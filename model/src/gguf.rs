@@ -35,6 +35,12 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("self_attn.o_proj", "attn_output"),
     ("self_attn.q_norm", "attn_q_norm"),
     ("self_attn.k_norm", "attn_k_norm"),
+    // A mixture of experts: the router, and each projection of every
+    // expert stacked in one `[experts, rows, columns]` tensor.
+    ("mlp.gate", "ffn_gate_inp"),
+    ("mlp.experts.gate_proj", "ffn_gate_exps"),
+    ("mlp.experts.up_proj", "ffn_up_exps"),
+    ("mlp.experts.down_proj", "ffn_down_exps"),
     ("post_attention_layernorm", "ffn_norm"),
     ("mlp.gate_proj", "ffn_gate"),
     ("mlp.up_proj", "ffn_up"),
@@ -77,6 +83,17 @@ pub fn hf_name(gguf: &str) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     let (h, _) = LAYER_NAMES.iter().find(|(_, g)| *g == inner)?;
     Some(format!("model.layers.{layer}.{h}.{param}"))
+}
+
+/// llama.cpp's `general.architecture` for a family: Mistral and Mixtral
+/// files are `llama` ones (with a window key, with expert tensors).
+pub fn architecture_of(family: Family) -> &'static str {
+    match family {
+        Family::Llama | Family::Mistral | Family::Mixtral => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
+        Family::Qwen3Moe => "qwen3moe",
+    }
 }
 
 /// Whether `path` starts with the GGUF magic.
@@ -240,6 +257,35 @@ impl GgufFile {
             .map_err(|e| ModelError::invalid_file(&self.path, format!("{}: {e}", info.gguf_name)))
     }
 
+    /// Matrix `index` of the stacked tensor `hf` (`[count, rows, columns]`,
+    /// such as one expert's projection), in its stored quantization: the
+    /// bytes of one matrix, since quantized blocks never cross rows.
+    pub fn qtensor_part(&self, hf: &str, index: usize, device: &Device) -> Result<QTensor> {
+        let info = self
+            .tensors
+            .get(hf)
+            .ok_or_else(|| ModelError::MissingTensor { name: hf.into() })?;
+        let [count, rows, columns] = info.shape[..] else {
+            return Err(self.invalid(format!("{}: not a stack of matrices", info.gguf_name)));
+        };
+        let bytes = self.bytes(info);
+        if index >= count || !bytes.len().is_multiple_of(count) {
+            return Err(self.invalid(format!(
+                "{}: matrix {index} of {count} in {} bytes",
+                info.gguf_name,
+                bytes.len()
+            )));
+        }
+        let part = bytes.len() / count;
+        qtensor_from_ggml(
+            info.dtype,
+            &bytes[index * part..][..part],
+            vec![rows, columns],
+            device,
+        )
+        .map_err(|e| self.invalid(format!("{}: {e}", info.gguf_name)))
+    }
+
     fn invalid(&self, msg: impl std::fmt::Display) -> ModelError {
         ModelError::invalid_file(&self.path, msg.to_string())
     }
@@ -285,17 +331,20 @@ impl GgufFile {
     /// (`llama`, `qwen2` and `qwen3`; llama.cpp stores Mistral models as `llama`).
     pub fn config(&self) -> Result<LlamaConfig> {
         let arch = self.string("general.architecture").unwrap_or("");
+        let key = |name: &str| format!("{arch}.{name}");
+        let experts = self.uint(&key("expert_count")).unwrap_or(0);
         let family = match arch {
+            "llama" if experts > 0 => Family::Mixtral,
             "llama" => Family::Llama,
             "qwen2" => Family::Qwen2,
             "qwen3" => Family::Qwen3,
+            "qwen3moe" => Family::Qwen3Moe,
             other => {
                 return Err(ModelError::UnsupportedArchitecture(format!(
-                    "GGUF architecture {other:?} (supported: llama, qwen2, qwen3)"
+                    "GGUF architecture {other:?} (supported: llama, qwen2, qwen3, qwen3moe)"
                 )))
             }
         };
-        let key = |name: &str| format!("{arch}.{name}");
         let hidden = self.required_uint(&key("embedding_length"))?;
         let heads = self.required_uint(&key("attention.head_count"))?;
         let kv_heads = self
@@ -336,7 +385,7 @@ impl GgufFile {
             .into_iter()
             .chain(self.eot_token_id())
             .collect();
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "architectures": [family.architecture()],
             "hidden_size": hidden,
             "intermediate_size": self.required_uint(&key("feed_forward_length"))?,
@@ -353,6 +402,19 @@ impl GgufFile {
             "eos_token_id": eos,
             "sliding_window": self.uint(&key("attention.sliding_window")),
         });
+        if let (true, Some(map)) = (experts > 0, json.as_object_mut()) {
+            map.insert("num_local_experts".into(), experts.into());
+            map.insert(
+                "num_experts_per_tok".into(),
+                self.uint(&key("expert_used_count")).into(),
+            );
+            if let Some(width) = self.uint(&key("expert_feed_forward_length")) {
+                map.insert("moe_intermediate_size".into(), width.into());
+            }
+            // llama.cpp always renormalises the chosen experts' weights for
+            // these two (Qwen3-MoE's released models set norm_topk_prob).
+            map.insert("norm_topk_prob".into(), true.into());
+        }
         let mut cfg = LlamaConfig::from_json(&json.to_string())
             .map_err(|e| self.invalid(format!("metadata: {e}")))?;
         if let RopeScaling::Divisors(d) = &rope_scaling {

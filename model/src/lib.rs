@@ -15,6 +15,8 @@ mod decode_attention;
 pub mod dtype;
 pub mod embeddings;
 mod error;
+mod experts;
+mod feed_forward;
 pub mod file_bytes;
 pub mod fingerprint;
 pub mod gguf;
@@ -22,6 +24,7 @@ pub mod gguf;
 pub mod gguf_writer;
 pub mod head;
 mod linear;
+mod mlp;
 #[cfg(feature = "generators")]
 mod model_shape;
 mod pool;

@@ -1,7 +1,7 @@
 //! The 70B-class shapes random models are written in (`corolla random-model`):
 //! each real model's configuration on a stack of any height.
 
-use crate::config::{Family, LlamaConfig, RopeScaling};
+use crate::config::{ExpertConfig, Family, LlamaConfig, RopeScaling};
 
 /// Llama 3's special tokens start here (`<|begin_of_text|>`).
 pub(crate) const LLAMA3_FIRST_SPECIAL: u32 = 128_000;
@@ -21,14 +21,21 @@ pub enum ModelShape {
     /// Qwen3 32B: hidden 5120, 64/8 heads of 128 (queries 8192 wide, more
     /// than the hidden size), FFN 25600, vocabulary 151936, per-head Q/K norms.
     Qwen3_32b,
+    /// Mixtral 8x7B: hidden 4096, 32/8 heads, eight experts of FFN 14336, two per token.
+    Mixtral8x7b,
+    /// Qwen3-30B-A3B: hidden 2048, 32/4 heads of 128, 128 experts of FFN
+    /// 768, eight per token (renormalised), per-head Q/K norms.
+    Qwen3_30bA3b,
 }
 
 impl ModelShape {
-    pub const ALL: [ModelShape; 4] = [
+    pub const ALL: [ModelShape; 6] = [
         Self::Llama2_70b,
         Self::Llama3_70b,
         Self::Qwen25_72b,
         Self::Qwen3_32b,
+        Self::Mixtral8x7b,
+        Self::Qwen3_30bA3b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -37,6 +44,8 @@ impl ModelShape {
             Self::Llama3_70b => "llama-3-70b",
             Self::Qwen25_72b => "qwen2.5-72b",
             Self::Qwen3_32b => "qwen3-32b",
+            Self::Mixtral8x7b => "mixtral-8x7b",
+            Self::Qwen3_30bA3b => "qwen3-30b-a3b",
         }
     }
 
@@ -60,6 +69,7 @@ impl ModelShape {
             qkv_bias: false,
             mlp_bias: false,
             qk_norm: false,
+            experts: None,
             sliding_window: None,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
@@ -102,6 +112,42 @@ impl ModelShape {
                 rms_norm_eps: 1e-6,
                 rope_theta: 1_000_000.0,
                 qk_norm: true,
+                bos_token_id: None,
+                eos_token_ids: vec![QWEN_FIRST_SPECIAL + 2, QWEN_FIRST_SPECIAL],
+                ..llama
+            },
+            Self::Mixtral8x7b => LlamaConfig {
+                family: Family::Mixtral,
+                hidden_size: 4096,
+                num_attention_heads: 32,
+                intermediate_size: 14336,
+                max_position_embeddings: 32_768,
+                rope_theta: 1_000_000.0,
+                experts: Some(ExpertConfig {
+                    count: 8,
+                    per_token: 2,
+                    intermediate_size: 14336,
+                    normalize: true,
+                }),
+                ..llama
+            },
+            Self::Qwen3_30bA3b => LlamaConfig {
+                family: Family::Qwen3Moe,
+                hidden_size: 2048,
+                num_attention_heads: 32,
+                num_key_value_heads: 4,
+                intermediate_size: 6144,
+                vocab_size: 151_936,
+                max_position_embeddings: 40_960,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                qk_norm: true,
+                experts: Some(ExpertConfig {
+                    count: 128,
+                    per_token: 8,
+                    intermediate_size: 768,
+                    normalize: true,
+                }),
                 bos_token_id: None,
                 eos_token_ids: vec![QWEN_FIRST_SPECIAL + 2, QWEN_FIRST_SPECIAL],
                 ..llama

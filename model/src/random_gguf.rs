@@ -13,7 +13,7 @@ use std::path::Path;
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
-use crate::config::{Family, LlamaConfig, RopeScaling};
+use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::gguf::{gguf_name, ROPE_FREQS};
 use crate::gguf_writer::{write_gguf, MetaValue, TensorEntry};
@@ -105,9 +105,9 @@ impl RandomGguf {
     /// attention alone ~150M multiply-adds per token and layer), an FFN of
     /// 64 (28672 would add ~700M), and a vocabulary of 1024 (it stays on
     /// the client; 32000 rows would cost the client ~30 ms per token here).
-    /// What is left, ~5.8M weights per layer (23 MB in f32: one decode step
-    /// is mostly reading them once), is Q8_0 in the file: servers dequantize
-    /// models this small to f32 anyway, and Q8_0 writes and loads fastest.
+    /// What is left, ~5.8M weights per layer (6 MB in Q8_0: one decode step
+    /// is mostly reading them once), is Q8_0 in the file, which writes and
+    /// loads fastest.
     pub fn wire_shaped(layers: usize, seed: u64) -> Self {
         let shape = ModelShape::Llama2_70b;
         RandomGguf {
@@ -145,11 +145,7 @@ pub fn write_random_gguf(
     progress: impl FnMut(u64, u64),
 ) -> Result<()> {
     let cfg = &spec.config;
-    let arch = match cfg.family {
-        Family::Llama | Family::Mistral => "llama",
-        Family::Qwen2 => "qwen2",
-        Family::Qwen3 => "qwen3",
-    };
+    let arch = crate::gguf::architecture_of(cfg.family);
     let (tensors, fills) = tensor_plan(spec)?;
     let vocab = Vocabulary::build(spec.vocabulary, cfg.vocab_size)?;
     let metadata = metadata(spec, arch, vocab);
@@ -223,13 +219,32 @@ fn tensor_plan(spec: &RandomGguf) -> Result<(Vec<TensorEntry>, Vec<Fill>)> {
             vec![h],
             Fill::Norm,
         ));
-        for (name, shape) in [
-            ("mlp.gate_proj", [i, h]),
-            ("mlp.up_proj", [i, h]),
-            ("mlp.down_proj", [h, i]),
-        ] {
-            let spread = Fill::Spread(1.0 / (shape[1] as f64).sqrt());
-            plan.push((format!("{p}.{name}.weight"), shape.to_vec(), spread));
+        match &cfg.experts {
+            None => {
+                for (name, shape) in [
+                    ("mlp.gate_proj", [i, h]),
+                    ("mlp.up_proj", [i, h]),
+                    ("mlp.down_proj", [h, i]),
+                ] {
+                    let spread = Fill::Spread(1.0 / (shape[1] as f64).sqrt());
+                    plan.push((format!("{p}.{name}.weight"), shape.to_vec(), spread));
+                }
+            }
+            Some(experts) => {
+                // The router (f32 in llama.cpp's files), then each
+                // projection of every expert stacked, as llama.cpp stores them.
+                let (e, i) = (experts.count, experts.intermediate_size);
+                let spread = Fill::Spread(1.0 / (h as f64).sqrt());
+                plan.push((format!("{p}.mlp.gate.weight"), vec![e, h], spread));
+                for (name, shape) in [
+                    ("mlp.experts.gate_proj", [e, i, h]),
+                    ("mlp.experts.up_proj", [e, i, h]),
+                    ("mlp.experts.down_proj", [e, h, i]),
+                ] {
+                    let spread = Fill::Spread(1.0 / (shape[2] as f64).sqrt());
+                    plan.push((format!("{p}.{name}.weight"), shape.to_vec(), spread));
+                }
+            }
         }
     }
     plan.push(("model.norm.weight".into(), vec![h], Fill::Norm));
@@ -255,10 +270,10 @@ fn tensor_plan(spec: &RandomGguf) -> Result<(Vec<TensorEntry>, Vec<Fill>)> {
     }
     for (hf, shape, fill) in plan {
         let name = gguf_name(&hf).ok_or_else(|| ModelError::MissingTensor { name: hf.clone() })?;
-        let dtype = if shape.len() == 1 {
+        let dtype = if shape.len() == 1 || hf.ends_with("mlp.gate.weight") {
             GgmlDType::F32
         } else {
-            spec.quant.for_row(shape[1])
+            spec.quant.for_row(shape[shape.len() - 1])
         };
         tensors.push(TensorEntry { name, shape, dtype });
         fills.push(fill);
@@ -390,6 +405,17 @@ fn metadata(spec: &RandomGguf, arch: &str, vocab: Vocabulary) -> Vec<(String, Me
         m.push((
             key("attention.sliding_window"),
             MetaValue::U32(window as u32),
+        ));
+    }
+    if let Some(experts) = &cfg.experts {
+        m.push((key("expert_count"), MetaValue::U32(experts.count as u32)));
+        m.push((
+            key("expert_used_count"),
+            MetaValue::U32(experts.per_token as u32),
+        ));
+        m.push((
+            key("expert_feed_forward_length"),
+            MetaValue::U32(experts.intermediate_size as u32),
         ));
     }
     if let Some(pre) = vocab.pre {

@@ -36,7 +36,7 @@ impl Vocabulary {
             )))
         };
         match shape {
-            ModelShape::Llama2_70b => {
+            ModelShape::Llama2_70b | ModelShape::Mixtral8x7b => {
                 let base = 3 + 256;
                 if size < base + 96 {
                     return too_small(base + 96);
@@ -59,7 +59,10 @@ impl Vocabulary {
                     merges: Vec::new(),
                 })
             }
-            ModelShape::Llama3_70b | ModelShape::Qwen25_72b | ModelShape::Qwen3_32b => {
+            ModelShape::Llama3_70b
+            | ModelShape::Qwen25_72b
+            | ModelShape::Qwen3_32b
+            | ModelShape::Qwen3_30bA3b => {
                 let (first_special, specials, pre) = if shape == ModelShape::Llama3_70b {
                     (
                         LLAMA3_FIRST_SPECIAL as usize,
@@ -294,9 +297,11 @@ const QWEN_TEMPLATE: &str = "{%- if messages[0]['role'] != 'system' %}{{- '<|im_
 /// The chat template a shape's GGUF carries (Llama 2's has none: Corolla's fallback applies).
 pub(crate) fn chat_template(shape: ModelShape) -> Option<&'static str> {
     match shape {
-        ModelShape::Llama2_70b => None,
+        ModelShape::Llama2_70b | ModelShape::Mixtral8x7b => None,
         ModelShape::Llama3_70b => Some(LLAMA3_TEMPLATE),
-        ModelShape::Qwen25_72b | ModelShape::Qwen3_32b => Some(QWEN_TEMPLATE),
+        ModelShape::Qwen25_72b | ModelShape::Qwen3_32b | ModelShape::Qwen3_30bA3b => {
+            Some(QWEN_TEMPLATE)
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use crate::checkpoint::{Checkpoint, Weights};
 use crate::config::LlamaConfig;
 use crate::decode_attention::{self, HeadShape};
 use crate::error::{ModelError, Result};
+use crate::feed_forward::FeedForward;
 use crate::linear::{Linear, Projections};
 use crate::pool::ComputePool;
 use crate::rope::Rope;
@@ -201,37 +202,11 @@ impl Attention {
 }
 
 #[derive(Debug, Clone)]
-struct Mlp {
-    /// Gate and up.
-    gate_up: Projections<2>,
-    down_proj: Linear,
-}
-
-impl Mlp {
-    fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
-        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-        Ok(Mlp {
-            gate_up: Projections::new([
-                linear(w, "gate_proj", i, h, bias)?,
-                linear(w, "up_proj", i, h, bias)?,
-            ])?,
-            down_proj: linear(w, "down_proj", h, i, bias)?.interleaved()?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = self.gate_up.forward(x)?;
-        let gated = (candle_nn::ops::silu(&gate)? * up)?;
-        self.down_proj.forward(&gated)
-    }
-}
-
-#[derive(Debug, Clone)]
 struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 impl DecoderLayer {
@@ -240,7 +215,7 @@ impl DecoderLayer {
             input_layernorm: rms_norm(w, "input_layernorm", cfg)?,
             self_attn: Attention::load(&w.pp("self_attn"), cfg)?,
             post_attention_layernorm: rms_norm(w, "post_attention_layernorm", cfg)?,
-            mlp: Mlp::load(&w.pp("mlp"), cfg)?,
+            mlp: FeedForward::load(w, cfg)?,
         })
     }
 

@@ -14,7 +14,10 @@ transformers computes with it:
              prompts, so the window changes the numbers;
   * qwen3:   Qwen3ForCausalLM (each head's query and key RMS-normalised
              before the rotation, no biases, head_dim 32 on a hidden size
-             of 64; tied embeddings).
+             of 64; tied embeddings);
+  * mixtral: MixtralForCausalLM, four experts of which two per token;
+  * qwen3_moe: Qwen3MoeForCausalLM, eight narrow experts, two per token,
+             renormalised, Qwen3's head norms.
 
 With family names as arguments, only those are made again and golden.json
 keeps the others' recorded outputs.
@@ -41,6 +44,7 @@ import sys
 
 import gguf
 import numpy as np
+import safetensors.numpy
 import torch
 import transformers
 from transformers import (
@@ -51,8 +55,12 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,6 +130,37 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    # Four experts, two per token, weights renormalised (always, in Mixtral).
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # Eight narrow experts (moe_intermediate_size), two per token,
+    # renormalised as the released Qwen3-MoE models are; Qwen3's head norms.
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 TEXT_PROMPT = "The mountains of the moon are high and far away."
@@ -173,10 +212,11 @@ def llama3_divisors(config):
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model, family, path):
+def write_gguf(model, family, folder, path):
     config = model.config
-    # llama.cpp permutes Q and K rows only for its `llama` architecture.
-    arch = family if family in ("qwen2", "qwen3") else "llama"
+    # llama.cpp permutes Q and K rows only for its `llama` architecture
+    # (Mistral's and Mixtral's too).
+    arch = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}.get(family, "llama")
     w = gguf.GGUFWriter(path, arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -190,13 +230,22 @@ def write_gguf(model, family, path):
     w.add_vocab_size(config.vocab_size)
     if getattr(config, "sliding_window", None) and family == "mistral":
         w.add_sliding_window(config.sliding_window)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        if family == "qwen3_moe":
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
     if config.bos_token_id is not None:
         w.add_bos_token_id(config.bos_token_id)
     eos = config.eos_token_id
     w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     if isinstance(eos, list) and len(eos) > 1:
         w.add_eot_token_id(eos[1])
-    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    # The tensors as saved (transformers 5 fuses experts in memory, and
+    # saves them one per expert as released checkpoints hold them).
+    sd = {k: v.astype(np.float32) for k, v in safetensors.numpy.load_file(
+        os.path.join(folder, "model.safetensors")).items()}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if family == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_divisors(config))
@@ -230,6 +279,19 @@ def write_gguf(model, family, path):
             if arch == "llama" and hf.startswith("self_attn.k_proj"):
                 t = permute(t, kv_heads)
             w.add_tensor(f"blk.{layer}.{g}", t)
+        if experts:
+            # The router, and each projection of every expert stacked into
+            # one [experts, rows, columns] tensor, as llama.cpp's converter does.
+            block, (gate, up, down) = (
+                ("block_sparse_moe", ("w1", "w3", "w2"))
+                if family == "mixtral"
+                else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+            )
+            prefix = f"model.layers.{layer}.{block}"
+            w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", sd[f"{prefix}.gate.weight"])
+            for name, g in ((gate, "ffn_gate_exps"), (up, "ffn_up_exps"), (down, "ffn_down_exps")):
+                stack = np.stack([sd[f"{prefix}.experts.{e}.{name}.weight"] for e in range(experts)])
+                w.add_tensor(f"blk.{layer}.{g}.weight", stack)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -261,7 +323,7 @@ def main():
         shutil.copy(TOKENIZER, os.path.join(folder, "tokenizer.json"))
         # A reload must compute the same (what the fixture really holds).
         model = model_class.from_pretrained(folder, attn_implementation="eager").eval()
-        write_gguf(model, family, os.path.join(OUT, f"{family}.gguf"))
+        write_gguf(model, family, folder, os.path.join(OUT, f"{family}.gguf"))
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER)
         text_ids = [1] + tokenizer(TEXT_PROMPT, add_special_tokens=False)["input_ids"]
         runs = []

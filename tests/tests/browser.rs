@@ -510,10 +510,14 @@ fn page_answers_a_mistral_model_as_the_native_client_does() {
     );
 }
 
-/// Qwen3: per-head query and key norms, heads wider than hidden / heads.
+/// Qwen3 (per-head query and key norms, heads wider than hidden / heads)
+/// and the two mixtures of experts, Mixtral and Qwen3-MoE: the page holds
+/// their head, the servers their blocks.
 #[test]
-fn page_answers_a_qwen3_model_as_the_native_client_does() {
-    page_answers_as_the_native_client_does("qwen3");
+fn page_answers_qwen3_and_expert_models_as_the_native_client_does() {
+    for family in ["qwen3", "mixtral", "qwen3_moe"] {
+        page_answers_as_the_native_client_does(family);
+    }
 }
 
 /// A page whose swarm lacks a block: the answer fails with the kind

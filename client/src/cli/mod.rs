@@ -68,7 +68,7 @@ enum Command {
 #[cfg(feature = "random-model")]
 #[derive(Args, Debug)]
 struct RandomModelArgs {
-    /// llama-2-70b, llama-3-70b, qwen2.5-72b or qwen3-32b.
+    /// llama-2-70b, llama-3-70b, qwen2.5-72b, qwen3-32b, mixtral-8x7b or qwen3-30b-a3b.
     #[arg(long)]
     shape: corolla_model::random_gguf::ModelShape,
     /// Decoder blocks: the real model's layer shape on a short stack.

@@ -59,6 +59,18 @@ impl<'a> Weights<'a> {
             .quantized_tensor(&self.full_name(name), shape, &self.device)
     }
 
+    /// Matrix `index` of a stacked weight (`shape`: `[count, rows, columns]`)
+    /// quantized as stored, when it is and the checkpoint keeps it so.
+    pub fn get_quantized_part(
+        &self,
+        name: &str,
+        index: usize,
+        shape: &[usize],
+    ) -> Result<Option<QTensor>> {
+        self.checkpoint
+            .quantized_part(&self.full_name(name), index, shape, &self.device)
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.checkpoint.contains(&self.full_name(name))
     }

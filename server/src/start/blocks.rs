@@ -124,14 +124,19 @@ impl OpenedModel {
                     .into(),
             )),
         };
-        let dtype_bytes = args.dtype.resolve(config, &self.device).size_in_bytes();
+        let dtype = args.dtype.resolve(config, &self.device);
+        let dtype_bytes = dtype.size_in_bytes();
         let max_length = args
             .inference_max_length
             .min(config.max_position_embeddings);
         let cache_tokens = args
             .cache_tokens
             .unwrap_or((args.max_sessions as u64).saturating_mul(max_length as u64));
-        let block_bytes = config.block_parameters().saturating_mul(dtype_bytes as u64);
+        // Kept-quantized blocks take their stored size, not the compute dtype's.
+        let block_bytes = self
+            .checkpoint
+            .loaded_block_bytes(dtype)
+            .unwrap_or_else(|| config.block_parameters().saturating_mul(dtype_bytes as u64));
         let n = crate::memory::blocks_that_fit(
             limit,
             block_bytes,

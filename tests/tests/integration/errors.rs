@@ -77,18 +77,29 @@ fn a_wrong_shape_is_reported_with_both_shapes() {
 fn an_unsupported_architecture_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let mut config = read_config(&tiny_llama());
+    config["architectures"] = serde_json::json!(["GemmaForCausalLM"]);
+    write_variant(
+        &tiny_llama(),
+        tmp.path(),
+        config.clone(),
+        &read_weights(&tiny_llama()),
+    );
+    let err = Checkpoint::open(tmp.path()).unwrap_err();
+    assert!(
+        matches!(&err, ModelError::UnsupportedArchitecture(a) if a == "GemmaForCausalLM"),
+        "{err}"
+    );
+    // A mixture-of-experts family whose config names no experts.
     config["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
+    let tmp = tempfile::tempdir().unwrap();
     write_variant(
         &tiny_llama(),
         tmp.path(),
         config,
         &read_weights(&tiny_llama()),
     );
-    let err = Checkpoint::open(tmp.path()).unwrap_err();
-    assert!(
-        matches!(&err, ModelError::UnsupportedArchitecture(a) if a == "MixtralForCausalLM"),
-        "{err}"
-    );
+    let err = Checkpoint::open(tmp.path()).unwrap_err().to_string();
+    assert!(err.contains("without experts (num_local_experts)"), "{err}");
 }
 
 #[test]

@@ -238,7 +238,12 @@ mod seventy_b {
                     cfg.num_key_value_heads,
                     cfg.head_dim
                 ),
-                (real.hidden_size, 64, 8, 128),
+                (
+                    real.hidden_size,
+                    real.num_attention_heads,
+                    real.num_key_value_heads,
+                    128
+                ),
                 "{name}"
             );
             assert_eq!(cfg.intermediate_size, real.intermediate_size, "{name}");
@@ -246,9 +251,22 @@ mod seventy_b {
             assert_eq!(cfg.rope_theta, real.rope_theta, "{name}");
             assert_eq!(cfg.eos_token_ids, real.eos_token_ids, "{name}");
             assert!(!cfg.tie_word_embeddings, "{name}");
+            assert_eq!(cfg.experts, real.experts, "{name}");
+            // What a server's --num-blocks auto counts: every expert, at
+            // the stored size when kept quantized.
+            let kept = ck.loaded_block_bytes(DType::F32).unwrap();
+            let dense = Checkpoint::open(&path)
+                .unwrap()
+                .with_quantized_weights(QuantizedWeights::Dequantize)
+                .loaded_block_bytes(DType::F32)
+                .unwrap();
+            assert_eq!(dense, cfg.block_parameters() * 4, "{name}");
+            assert!(kept * 6 < dense, "{name}: {kept} kept, {dense} dequantized");
             let raw = |t: &str| format!("{:?}", ck.raw_tensor(t).unwrap().dtype);
             assert_eq!(raw("lm_head.weight"), "Q4K", "{name}");
-            assert_eq!(raw("model.layers.0.mlp.gate_proj.weight"), "Q4K", "{name}");
+            if cfg.experts.is_none() {
+                assert_eq!(raw("model.layers.0.mlp.gate_proj.weight"), "Q4K", "{name}");
+            }
             match shape {
                 ModelShape::Llama2_70b => {
                     assert_eq!(cfg.rope_scaling, RopeScaling::None);
@@ -284,6 +302,28 @@ mod seventy_b {
                     }
                     assert!(!ck.contains("model.layers.0.self_attn.q_proj.bias"));
                     assert_eq!(raw("model.layers.0.self_attn.o_proj.weight"), "Q4K");
+                }
+                ModelShape::Mixtral8x7b | ModelShape::Qwen3_30bA3b => {
+                    let experts = real.experts.clone().expect("experts");
+                    let (e, i) = (experts.count, experts.intermediate_size);
+                    let tensor = |t: &str| ck.raw_tensor(t).unwrap();
+                    let stacked = "model.layers.0.mlp.experts";
+                    assert_eq!(
+                        tensor(&format!("{stacked}.gate_proj.weight")).shape,
+                        [e, i, cfg.hidden_size]
+                    );
+                    assert_eq!(
+                        tensor(&format!("{stacked}.down_proj.weight")).shape,
+                        [e, cfg.hidden_size, i]
+                    );
+                    assert_eq!(raw(&format!("{stacked}.up_proj.weight")), "Q4K");
+                    assert_eq!(raw("model.layers.0.mlp.gate.weight"), "F32");
+                    let layout = if shape == ModelShape::Mixtral8x7b {
+                        RopeLayout::Interleaved
+                    } else {
+                        RopeLayout::Halves
+                    };
+                    assert_eq!(ck.rope_layout(), layout, "{name}");
                 }
             }
             let tokenizer = TextTokenizer::for_checkpoint(&ck).unwrap();
@@ -343,6 +383,82 @@ mod seventy_b {
                 .map(|&id| self.bytes[id as usize * self.row_bytes..][..self.row_bytes].to_vec())
                 .collect();
             Box::pin(async move { Ok(rows) })
+        }
+    }
+
+    /// Experts kept quantized (each one's matrices cut out of the stacked
+    /// GGUF tensors) compute what the same experts dequantized compute, up
+    /// to the activations' rounding; rows batched over sessions whose tokens
+    /// pick different experts give the bits each gives alone.
+    #[test]
+    fn quantized_experts_compute_as_dequantized_and_batch_bit_for_bit() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = RandomGguf::new(ModelShape::Qwen3_30bA3b, 2, WeightQuant::Q4_1, 9);
+        spec.config.hidden_size = 256;
+        spec.config.num_attention_heads = 4;
+        spec.config.num_key_value_heads = 2;
+        spec.config.head_dim = 64;
+        spec.config.vocab_size = 700;
+        // A small vocabulary needs Llama 2's tokenizer conventions.
+        spec.vocabulary = ModelShape::Llama2_70b;
+        if let Some(experts) = spec.config.experts.as_mut() {
+            experts.count = 16;
+            experts.per_token = 4;
+            experts.intermediate_size = 128;
+        }
+        let path = write(&spec, dir.path());
+        let dev = Device::Cpu;
+        let open = |choice| {
+            Checkpoint::open(&path)
+                .unwrap()
+                .with_quantized_weights(choice)
+        };
+        let (kept, dense) = (
+            open(QuantizedWeights::Keep),
+            open(QuantizedWeights::Dequantize),
+        );
+        let head = ClientHead::load(&dense, DType::F32, &dev).unwrap();
+        let prompts: [&[u32]; 3] = [&[1, 17, 300, 42, 9], &[5, 600, 2, 77], &[123, 321, 213]];
+        let span = |ck: &Checkpoint| BlockSpan::load(ck, 0, 2, DType::F32, &dev).unwrap();
+        let (kept_span, dense_span) = (span(&kept), span(&dense));
+        for prompt in prompts {
+            let x = head.embed(prompt).unwrap();
+            let run = |s: &BlockSpan| {
+                let mut cache = s.new_cache(8).unwrap();
+                s.forward(&x, 0, &mut cache).unwrap()
+            };
+            let err = corolla_tests::relative_l2(&run(&kept_span), &run(&dense_span));
+            assert!(err < 0.05, "kept vs dequantized experts: {err}");
+        }
+        // Decode: each prompt's next position alone, then all three as one batch.
+        let step = |batch: &[usize]| -> Vec<Vec<f32>> {
+            let mut caches: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let mut cache = kept_span.new_cache(8).unwrap();
+                    kept_span
+                        .forward(&head.embed(p).unwrap(), 0, &mut cache)
+                        .unwrap();
+                    cache
+                })
+                .collect();
+            let mut rows = Vec::new();
+            for (i, cache) in caches.iter_mut().enumerate() {
+                if batch.contains(&i) {
+                    let input = head.embed(&[7 + i as u32]).unwrap();
+                    rows.push((input, prompts[i].len(), cache));
+                }
+            }
+            kept_span
+                .forward_decode_batch(&mut rows)
+                .unwrap()
+                .iter()
+                .map(|y| y.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect()
+        };
+        let together = step(&[0, 1, 2]);
+        for (i, batched) in together.iter().enumerate() {
+            assert_eq!(&step(&[i])[0], batched, "session {i} alone vs batched");
         }
     }
 

@@ -202,8 +202,9 @@ fn the_tokenizer_encodes_prompts_like_transformers() {
 
 mod families {
     //! Llama 3 (llama3 rope scaling), Qwen2 (Q/K/V biases, tied embeddings),
-    //! Mistral (a sliding window of 8, shorter than the prompts) and Qwen3
-    //! (per-head Q/K norms, heads wider than hidden / heads) against
+    //! Mistral (a sliding window of 8, shorter than the prompts), Qwen3
+    //! (per-head Q/K norms, heads wider than hidden / heads), Mixtral (four
+    //! experts, two per token) and Qwen3-MoE (eight experts) against
     //! transformers (`tests/reference/families_reference.py`), from their
     //! transformers folders and from GGUF files written as llama.cpp does.
 
@@ -212,11 +213,13 @@ mod families {
     use corolla_tests::{fixtures_dir, generate_local};
     use serde_json::Value;
 
-    const FAMILIES: [(&str, Family); 4] = [
+    const FAMILIES: [(&str, Family); 6] = [
         ("llama3", Family::Llama),
         ("qwen2", Family::Qwen2),
         ("mistral", Family::Mistral),
         ("qwen3", Family::Qwen3),
+        ("mixtral", Family::Mixtral),
+        ("qwen3_moe", Family::Qwen3Moe),
     ];
 
     fn golden() -> Value {

@@ -189,7 +189,7 @@ async fn the_swarm_view_shows_coverage_and_forgets_a_dead_server() {
     assert_eq!(view["gaps"], serde_json::json!([[3, 4]]));
 }
 
-/// Llama 3, Qwen2, Mistral and Qwen3 (tests/fixtures/families) through three
+/// Llama 3, Qwen2, Mistral, Qwen3, Mixtral and Qwen3-MoE (tests/fixtures/families) through three
 /// servers of one block each: the text prompt's ids and the 24 greedy tokens
 /// are transformers' (tests/reference/families_reference.py).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,7 +198,14 @@ async fn each_family_through_three_servers_generates_what_transformers_generates
         &std::fs::read(corolla_tests::fixtures_dir().join("families/golden.json")).unwrap(),
     )
     .unwrap();
-    for family in ["llama3", "qwen2", "mistral", "qwen3"] {
+    for family in [
+        "llama3",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "mixtral",
+        "qwen3_moe",
+    ] {
         let model = corolla_tests::fixtures_dir().join("families").join(family);
         let flags = ["--update-period", "2s", "--inference-max-length", "256"];
         let first = corolla_tests::start_model_server(&model, "0:1", None, &flags).await;

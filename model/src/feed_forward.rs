@@ -1,0 +1,33 @@
+//! A decoder block's feed-forward: one SwiGLU MLP, or a mixture of experts.
+
+use candle_core::Tensor;
+
+use crate::checkpoint::Weights;
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::experts::Experts;
+use crate::mlp::Mlp;
+
+#[derive(Debug, Clone)]
+pub(crate) enum FeedForward {
+    Dense(Mlp),
+    Experts(Experts),
+}
+
+impl FeedForward {
+    /// The feed-forward of the layer whose weights `layer` holds.
+    pub(crate) fn load(layer: &Weights, cfg: &LlamaConfig) -> Result<Self> {
+        Ok(match &cfg.experts {
+            Some(experts) => Self::Experts(Experts::load(layer, cfg, experts)?),
+            None => Self::Dense(Mlp::load(&layer.pp("mlp"), cfg)?),
+        })
+    }
+
+    /// `x`: rows of the hidden size, under any leading dimensions.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(mlp) => mlp.forward(x),
+            Self::Experts(experts) => experts.forward(x),
+        }
+    }
+}

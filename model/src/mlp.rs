@@ -1,0 +1,41 @@
+//! The SwiGLU MLP: a dense block's feed-forward, and each expert of a
+//! mixture ([`crate::experts`]).
+
+use candle_core::Tensor;
+
+use crate::checkpoint::Weights;
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::linear::{Linear, Projections};
+
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub(crate) struct Mlp {
+    /// Gate and up.
+    gate_up: Projections<2>,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    pub(crate) fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Self::new(
+            Linear::load(&w.pp("gate_proj"), i, h, bias)?,
+            Linear::load(&w.pp("up_proj"), i, h, bias)?,
+            Linear::load(&w.pp("down_proj"), h, i, bias)?,
+        )
+    }
+
+    pub(crate) fn new(gate: Linear, up: Linear, down: Linear) -> Result<Self> {
+        Ok(Mlp {
+            gate_up: Projections::new([gate, up])?,
+            down_proj: down.interleaved()?,
+        })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let [gate, up] = self.gate_up.forward(x)?;
+        let gated = (candle_nn::ops::silu(&gate)? * up)?;
+        self.down_proj.forward(&gated)
+    }
+}
