@@ -4,6 +4,7 @@
 pub mod batching_bench;
 pub mod browser;
 pub mod compute_bench;
+pub mod experts_bench;
 pub mod forwarder;
 pub mod hostile;
 pub mod nat;

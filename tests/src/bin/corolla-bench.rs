@@ -11,7 +11,9 @@
 //! or `corolla-bench --quantization-quality [--prompts N] [--new-tokens N] [--write FILE]` (the
 //! default GGUF kept quantized against dequantized),
 //! or `corolla-bench --wire-quality [--prompts N] [--new-tokens N] [--write FILE]` (what f16
-//! and 8-bit activations on the wire do to the default model's answers).
+//! and 8-bit activations on the wire do to the default model's answers),
+//! or `corolla-bench --experts [--rounds N] [--write FILE]` (sessions batched through a
+//! mixture-of-experts block).
 
 use std::time::Duration;
 
@@ -67,6 +69,9 @@ struct BenchArgs {
     /// As root: the CLI through servers in network namespaces over delayed links.
     #[arg(long, group = "section")]
     wan: bool,
+    /// Sessions batched through a mixture-of-experts block and its dense twin.
+    #[arg(long, group = "section")]
+    experts: bool,
     /// Chat turns' time to first token.
     #[arg(long, group = "section")]
     only_chat: bool,
@@ -170,6 +175,12 @@ async fn main() -> anyhow::Result<()> {
         })
         .await??;
         return emit(&cli, &run, KEPT_QUANTIZED_HEADING, &section);
+    }
+    if cli.experts {
+        use corolla_tests::experts_bench::{experts_section, EXPERTS_HEADING};
+        let rounds = cli.rounds.unwrap_or(3);
+        let section = tokio::task::spawn_blocking(move || experts_section(rounds)).await??;
+        return emit(&cli, &run, EXPERTS_HEADING, &section);
     }
     if cli.wan {
         use corolla_tests::wan_bench::{bench_wan, WAN_HEADING};
