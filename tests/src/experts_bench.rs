@@ -4,6 +4,7 @@
 //! MLP has the width of the experts one token uses, so both compute the same
 //! per row alone; what differs is what a batch's rows read.
 
+use corolla_model::config::Family;
 use corolla_model::random_gguf::{write_random_gguf, ModelShape, RandomGguf, WeightQuant};
 use corolla_model::{Checkpoint, QuantizedWeights};
 
@@ -31,6 +32,7 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
         .clone()
         .ok_or_else(|| anyhow::anyhow!("{} has no experts", shape.name()))?;
     let mut dense = moe.clone();
+    dense.config.family = Family::Qwen3;
     dense.config.experts = None;
     dense.config.intermediate_size = experts.per_token * experts.intermediate_size;
     let measure = |name: &str, spec: &RandomGguf| -> anyhow::Result<SpanBatching> {
@@ -40,19 +42,19 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
     };
     let moe_figures = measure("moe", &moe)?;
     let dense_figures = measure("dense", &dense)?;
+    let step_ms = |f: &SpanBatching, batch: usize| {
+        f.step_ms
+            .iter()
+            .find(|(b, _)| *b == batch)
+            .map_or(f64::NAN, |(_, ms)| *ms)
+    };
     let mut rows = String::new();
     for batch in BATCHES {
-        let ms = |f: &SpanBatching| {
-            f.step_ms
-                .iter()
-                .find(|(b, _)| *b == batch)
-                .map_or(f64::NAN, |(_, ms)| *ms)
-        };
         rows.push_str(&format!(
             "| {batch} | {:.2} | {:.2}× | {:.2} | {:.2}× |\n",
-            ms(&moe_figures),
+            step_ms(&moe_figures, batch),
             moe_figures.speedup(batch),
-            ms(&dense_figures),
+            step_ms(&dense_figures, batch),
             dense_figures.speedup(batch),
         ));
     }
@@ -66,19 +68,27 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
          (`BlockSpan::forward_decode_batch`, as the server's compute core runs them), medians of \
          {rounds} rounds. ×: rows per second over one session's.\n\n\
          | B | MoE ms / step | MoE × | dense ms / step | dense × |\n|---|---|---|---|---|\n{rows}\n\
-         A row alone costs about what the dense twin's costs: its {} experts are {:.1} MB of the \
-         {:.0} MB. A batch of sessions reads each chosen expert once for all rows that chose it \
-         (`model/src/experts.rs`), but rows of different sessions choose different experts, so a \
-         batch of 16 touches many more expert weights than one row does; batching gains less than \
-         on the dense block, whose one MLP every row shares.\n",
+         One session's step costs {:.2}× the dense twin's (the router, the rows gathered per \
+         expert, {} products of width {} in place of one of {}); its {} experts are {:.1} MB of the \
+         {:.0} MB. At 16 sessions the expert block reaches {:.2}× one session and the dense twin \
+         {:.2}×: a batch reads each chosen expert once for every row that chose it \
+         (`model/src/experts.rs`), but Q4_K goes through candle's per-row kernels (the interleaved \
+         batch kernels cover Q4_0 and Q4_1), whose products cost the same per row however many rows \
+         share a step on these two cores, so neither block gains much from batching here.\n",
         experts.count,
         experts.intermediate_size,
         experts.per_token,
         mb(moe_figures.weight_bytes),
         dense.config.intermediate_size,
         mb(dense_figures.weight_bytes),
+        step_ms(&moe_figures, 1) / step_ms(&dense_figures, 1),
+        experts.per_token,
+        experts.intermediate_size,
+        dense.config.intermediate_size,
         experts.per_token,
         mb(moe_figures.weight_bytes) * experts.per_token as f64 / experts.count as f64,
         mb(moe_figures.weight_bytes),
+        moe_figures.speedup(16),
+        dense_figures.speedup(16),
     ))
 }
