@@ -28,6 +28,8 @@ fi
 "$CARGO_TARGET_DIR/debug/corolla-bench" --rounds "${ROUNDS:-5}" --new-tokens 128 --write BENCHMARKS.md
 # How far kept-quantized answers are from the float model's (100 prompts).
 "$CARGO_TARGET_DIR/debug/corolla-bench" --quantization-quality --write BENCHMARKS.md
+# Sessions batched through a mixture-of-experts block and its dense twin.
+"$CARGO_TARGET_DIR/debug/corolla-bench" --experts --rounds 3 --write BENCHMARKS.md
 # 70B-class heads in the page: the Chromium tests measure, corolla-bench writes the section
 # (an earlier run's figures are removed first, so a test that measured nothing shows as such).
 rm -f tests/artifacts/page-*.json

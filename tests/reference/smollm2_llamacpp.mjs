@@ -7,7 +7,8 @@
 // must give. Same stop rule as smollm2_reference.py: at most 24 new tokens,
 // ending at the GGUF's eos token, which is kept.
 //
-//   npm install --prefix ~/.cache/corolla/llamacpp node-llama-cpp@3.21.1
+// With the llama.cpp that `bash scripts/bench.sh` installs (bench/llamacpp:
+// node-llama-cpp 3.21.1) in ~/.cache/corolla/llamacpp:
 //   NODE_PATH=~/.cache/corolla/llamacpp/node_modules \
 //     node tests/reference/smollm2_llamacpp.mjs MODEL.gguf > tests/fixtures/smollm2/llamacpp.json
 import { createRequire } from "node:module";
