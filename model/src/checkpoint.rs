@@ -559,6 +559,14 @@ impl Checkpoint {
         shape: &[usize],
         device: &Device,
     ) -> Result<Option<QTensor>> {
+        match self.kept_quantized(name, shape)? {
+            Some(raw) => self.qtensor_of(&raw, name, device).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `name` as stored, when it is quantized and the checkpoint keeps it so.
+    fn kept_quantized(&self, name: &str, shape: &[usize]) -> Result<Option<RawTensor>> {
         if self.dequantize {
             return Ok(None);
         }
@@ -567,7 +575,7 @@ impl Checkpoint {
             return Ok(None);
         }
         check_shape(name, &raw.shape, shape)?;
-        self.qtensor_of(&raw, name, device).map(Some)
+        Ok(Some(raw))
     }
 
     /// Matrix `index` of the stacked tensor `name` (`shape`: `[count, rows,
@@ -581,14 +589,9 @@ impl Checkpoint {
         shape: &[usize],
         device: &Device,
     ) -> Result<Option<QTensor>> {
-        if self.dequantize {
+        let Some(raw) = self.kept_quantized(name, shape)? else {
             return Ok(None);
-        }
-        let raw = self.raw_tensor(name)?;
-        if !raw.dtype.is_quantized() {
-            return Ok(None);
-        }
-        check_shape(name, &raw.shape, shape)?;
+        };
         match raw.file.as_ref() {
             WeightFile::Gguf(g) => g.qtensor_part(name, index, device).map(Some),
             _ => Ok(None),

@@ -386,6 +386,18 @@ mod seventy_b {
         }
     }
 
+    /// `shape` shrunk to a hidden size of 256 (4/2 heads of 64) and a
+    /// vocabulary of 700: what a test computes in milliseconds.
+    fn small(shape: ModelShape, layers: usize, quant: WeightQuant, seed: u64) -> RandomGguf {
+        let mut spec = RandomGguf::new(shape, layers, quant, seed);
+        spec.config.hidden_size = 256;
+        spec.config.num_attention_heads = 4;
+        spec.config.num_key_value_heads = 2;
+        spec.config.head_dim = 64;
+        spec.config.vocab_size = 700;
+        spec
+    }
+
     /// Experts kept quantized (each one's matrices cut out of the stacked
     /// GGUF tensors) compute what the same experts dequantized compute, up
     /// to the activations' rounding; rows batched over sessions whose tokens
@@ -393,12 +405,7 @@ mod seventy_b {
     #[test]
     fn quantized_experts_compute_as_dequantized_and_batch_bit_for_bit() {
         let dir = tempfile::tempdir().unwrap();
-        let mut spec = RandomGguf::new(ModelShape::Qwen3_30bA3b, 2, WeightQuant::Q4_1, 9);
-        spec.config.hidden_size = 256;
-        spec.config.num_attention_heads = 4;
-        spec.config.num_key_value_heads = 2;
-        spec.config.head_dim = 64;
-        spec.config.vocab_size = 700;
+        let mut spec = small(ModelShape::Qwen3_30bA3b, 2, WeightQuant::Q4_1, 9);
         // A small vocabulary needs Llama 2's tokenizer conventions.
         spec.vocabulary = ModelShape::Llama2_70b;
         if let Some(experts) = spec.config.experts.as_mut() {
@@ -465,13 +472,8 @@ mod seventy_b {
     #[test]
     fn the_page_parts_split_head_computes_what_the_whole_head_computes() {
         let dir = tempfile::tempdir().unwrap();
-        let mut spec = RandomGguf::new(ModelShape::Llama2_70b, 1, WeightQuant::Q4K, 3);
-        spec.config.hidden_size = 256;
-        spec.config.num_attention_heads = 4;
-        spec.config.num_key_value_heads = 2;
-        spec.config.head_dim = 64;
+        let mut spec = small(ModelShape::Llama2_70b, 1, WeightQuant::Q4K, 3);
         spec.config.intermediate_size = 512;
-        spec.config.vocab_size = 700;
         let path = write(&spec, dir.path());
         let ck = Checkpoint::open(&path)
             .unwrap()
