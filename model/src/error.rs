@@ -40,6 +40,10 @@ pub enum ModelError {
     BatchMismatch,
     #[error("a KV cache tensor is not in the contiguous CPU f32 layout the decode kernel reads")]
     CacheLayout,
+    #[error(
+        "cached keys and values must be [1, kv heads, positions, head dim], alike in every layer"
+    )]
+    CachedPositionsShape,
     #[error("position {end} exceeds the session's KV cache of {capacity} tokens")]
     CacheFull { end: usize, capacity: usize },
     #[error("start position {start} is past the {cached} tokens already in the cache")]

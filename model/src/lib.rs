@@ -23,6 +23,7 @@ pub mod gguf;
 #[cfg(feature = "generators")]
 pub mod gguf_writer;
 pub mod head;
+pub mod kv_cache;
 mod linear;
 mod mlp;
 #[cfg(feature = "generators")]
@@ -48,9 +49,10 @@ pub use config::LlamaConfig;
 pub use dtype::ModelDType;
 pub use error::{ModelError, Result};
 pub use head::ClientHead;
+pub use kv_cache::{CachedPositions, SessionCache};
 pub use linear::KERNELS_ENV;
 pub use sampler::{Sampler, SamplingParams};
-pub use span::{BlockSpan, SessionCache};
+pub use span::BlockSpan;
 
 pub use candle_core::quantized;
 pub use candle_core::{DType, Device, Tensor};

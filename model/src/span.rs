@@ -1,7 +1,7 @@
-//! A contiguous span of decoder layers `[start, end)` and its per-session KV cache.
+//! A contiguous span of decoder layers `[start, end)`.
 //!
 //! Weights are shared by every session; each session owns a [`SessionCache`]
-//! preallocated for its maximum length, written in place at each step.
+//! (`kv_cache.rs`) preallocated for its maximum length, written in place at each step.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
@@ -11,6 +11,7 @@ use crate::config::LlamaConfig;
 use crate::decode_attention::{self, HeadShape};
 use crate::error::{ModelError, Result};
 use crate::feed_forward::FeedForward;
+use crate::kv_cache::{LayerCache, SessionCache};
 use crate::linear::{Linear, Projections};
 use crate::pool::ComputePool;
 use crate::rope::Rope;
@@ -262,48 +263,6 @@ impl DecoderLayer {
     }
 }
 
-#[derive(Debug)]
-struct LayerCache {
-    keys: Tensor,
-    values: Tensor,
-}
-
-/// The KV cache of one session for one span, preallocated to `capacity` positions.
-#[derive(Debug)]
-pub struct SessionCache {
-    layers: Vec<LayerCache>,
-    /// Absolute index of the first layer this cache serves.
-    first_layer: usize,
-    len: usize,
-    capacity: usize,
-}
-
-impl SessionCache {
-    /// Positions whose keys and values are cached.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Forgets positions `len..` (kept as they are until overwritten): the
-    /// next step may start at `len` at the latest.
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    /// The absolute layers this cache serves.
-    pub fn layers(&self) -> std::ops::Range<usize> {
-        self.first_layer..self.first_layer + self.layers.len()
-    }
-}
-
 /// Decoder layers `[start, end)` of a Llama-family model.
 #[derive(Debug, Clone)]
 pub struct BlockSpan {
@@ -398,27 +357,13 @@ impl BlockSpan {
                 max,
             });
         }
-        let shape = (
-            1,
-            self.config.num_key_value_heads,
+        SessionCache::zeros(
+            layers,
+            (self.config.num_key_value_heads, self.config.head_dim),
             max_length,
-            self.config.head_dim,
-        );
-        let caches = layers
-            .clone()
-            .map(|_| {
-                Ok(LayerCache {
-                    keys: Tensor::zeros(shape, self.dtype, &self.device)?,
-                    values: Tensor::zeros(shape, self.dtype, &self.device)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(SessionCache {
-            layers: caches,
-            first_layer: layers.start,
-            len: 0,
-            capacity: max_length,
-        })
+            self.dtype,
+            &self.device,
+        )
     }
 
     /// Checks that `hidden` (`[1, T, hidden]`) at position `start` fits `cache`,

@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 use corolla_model::{BlockSpan, ModelError, SessionCache, Tensor};
 use tokio::sync::oneshot;
 
+use crate::admission::CacheBudget;
 use crate::error::ComputeError;
 use crate::metrics::ServerMetrics;
+use crate::shared_prefix::{InputHistory, SharedPrefixes, PAGE_POSITIONS};
 
 /// How the scheduler cuts work.
 #[derive(Debug, Clone, Copy)]
@@ -31,6 +33,9 @@ pub(crate) struct ComputeSettings {
     /// so that sessions whose clients answer a little later join the batch
     /// instead of forming the next one.
     pub max_batch_wait: Duration,
+    /// Whether sessions reuse the pages of prefixes other sessions computed
+    /// (`shared_prefix.rs`).
+    pub share_prefixes: bool,
 }
 
 impl Default for ComputeSettings {
@@ -39,6 +44,7 @@ impl Default for ComputeSettings {
             max_chunk_tokens: 256,
             max_batch: 64,
             max_batch_wait: Duration::from_millis(10),
+            share_prefixes: true,
         }
     }
 }
@@ -63,6 +69,12 @@ pub struct ComputeFigures {
     pub decode_steps: u64,
     pub largest_batch: u64,
     pub prefill_chunks: u64,
+    /// Prefill positions answered from shared prefix pages.
+    pub prefix_positions_reused: u64,
+    pub prefix_pages_stored: u64,
+    pub prefix_pages_evicted: u64,
+    /// Cache positions the shared prefix pages hold now.
+    pub prefix_tokens_held: u64,
 }
 
 impl ComputeStats {
@@ -73,6 +85,7 @@ impl ComputeStats {
             decode_steps: get(&self.decode_steps),
             largest_batch: get(&self.largest_batch),
             prefill_chunks: get(&self.prefill_chunks),
+            ..ComputeFigures::default()
         }
     }
 }
@@ -109,22 +122,28 @@ pub(crate) struct ComputeCore {
     jobs: mpsc::Sender<Job>,
     next_id: Arc<AtomicU64>,
     stats: Arc<ComputeStats>,
+    prefixes: Option<Arc<SharedPrefixes>>,
 }
 
 impl ComputeCore {
     /// Starts the core's thread; it ends when the last handle is dropped.
+    /// Shared prefix pages take their room from `budget`.
     pub fn start(
         span: Arc<BlockSpan>,
         settings: ComputeSettings,
         metrics: ServerMetrics,
+        budget: Arc<CacheBudget>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel();
         let stats = Arc::new(ComputeStats::default());
+        let prefixes = settings.share_prefixes.then(|| SharedPrefixes::new(budget));
         let scheduler = Scheduler {
             span: span.clone(),
             settings,
             stats: stats.clone(),
             metrics,
+            prefixes: prefixes.clone(),
+            histories: HashMap::new(),
             caches: HashMap::new(),
             decodes: Vec::new(),
             prefills: VecDeque::new(),
@@ -139,15 +158,31 @@ impl ComputeCore {
             jobs,
             next_id: Arc::new(AtomicU64::new(0)),
             stats,
+            prefixes,
         })
+    }
+
+    /// The span's shared prefix pages, unless sharing is off.
+    pub fn prefixes(&self) -> Option<&Arc<SharedPrefixes>> {
+        self.prefixes.as_ref()
     }
 
     pub fn span(&self) -> &Arc<BlockSpan> {
         &self.span
     }
 
-    pub fn stats(&self) -> &ComputeStats {
-        &self.stats
+    /// What the core and its shared prefix pages have done so far.
+    pub fn figures(&self) -> ComputeFigures {
+        let mut figures = self.stats.figures();
+        if let Some(prefixes) = &self.prefixes {
+            let stats = prefixes.stats();
+            let get = |n: &AtomicU64| n.load(Ordering::Relaxed);
+            figures.prefix_positions_reused = get(&stats.reused_positions);
+            figures.prefix_pages_stored = get(&stats.stored_pages);
+            figures.prefix_pages_evicted = get(&stats.evicted_pages);
+            figures.prefix_tokens_held = prefixes.tokens_held() as u64;
+        }
+        figures
     }
 
     /// Allocates a cache for `layers` and `max_length` positions (off the
@@ -215,6 +250,9 @@ struct Scheduler {
     settings: ComputeSettings,
     stats: Arc<ComputeStats>,
     metrics: ServerMetrics,
+    prefixes: Option<Arc<SharedPrefixes>>,
+    /// The inputs each session's cache holds, while prefixes are shared.
+    histories: HashMap<SessionId, InputHistory>,
     caches: HashMap<SessionId, SessionCache>,
     decodes: Vec<StepJob>,
     prefills: VecDeque<Prefill>,
@@ -275,10 +313,15 @@ impl Scheduler {
     fn take(&mut self, job: Job) {
         match job {
             Job::Open { id, cache } => {
+                if self.prefixes.is_some() {
+                    let history = InputHistory::new(cache.layers(), self.span.dtype());
+                    self.histories.insert(id, history);
+                }
                 self.caches.insert(id, cache);
             }
             Job::Close { id } => {
                 self.caches.remove(&id);
+                self.histories.remove(&id);
                 self.decoding.remove(&id);
             }
             Job::Step(step) => {
@@ -314,6 +357,7 @@ impl Scheduler {
                 job.answer(Err(e.into()));
                 continue;
             }
+            self.record_inputs(job.id, job.start, &job.input);
             groups.entry(cache.layers()).or_default().push((job, cache));
         }
         for (_, mut group) in groups {
@@ -376,20 +420,33 @@ impl Scheduler {
             return;
         };
         let id = prefill.job.id;
-        let Some(cache) = self.caches.get_mut(&id) else {
+        let Some(cache) = self.caches.get(&id) else {
             prefill
                 .job
                 .answer(Err(ComputeError::Lost("the session was closed")));
             return;
         };
-        let input = &prefill.job.input;
-        let total = input.dims().get(1).copied().unwrap_or(0);
+        let total = prefill.job.input.dims().get(1).copied().unwrap_or(0);
         if prefill.done == 0 {
-            if let Err(e) = self.span.check_step(input.dims(), prefill.job.start, cache) {
+            let (dims, start) = (prefill.job.input.dims(), prefill.job.start);
+            if let Err(e) = self.span.check_step(dims, start, cache) {
                 prefill.job.answer(Err(e.into()));
                 return;
             }
+            self.record_inputs(id, start, &prefill.job.input);
+            prefill.outputs = self.reuse_prefix(id, start, total);
+            prefill.done = prefill.outputs.len() * PAGE_POSITIONS;
+            if prefill.done == total {
+                self.finish_prefill(prefill);
+                return;
+            }
         }
+        let Some(cache) = self.caches.get_mut(&id) else {
+            return prefill
+                .job
+                .answer(Err(ComputeError::Lost("the session was closed")));
+        };
+        let input = &prefill.job.input;
         let limit = match self.settings.max_chunk_tokens {
             0 => total,
             n => n,
@@ -412,20 +469,75 @@ impl Scheduler {
                     self.prefills.push_front(prefill);
                     return;
                 }
-                let whole = if prefill.outputs.len() == 1 {
-                    Ok(prefill.outputs.remove(0))
-                } else {
-                    Tensor::cat(&prefill.outputs, 1).map_err(|e| ModelError::Candle(e).into())
-                };
-                prefill.job.answer(whole);
+                self.finish_prefill(prefill);
             }
             Ok(Err(e)) => prefill.job.answer(Err(e.into())),
             Err(_) => {
                 tracing::error!("a prefill chunk panicked; its session ends");
                 self.caches.remove(&id);
+                self.histories.remove(&id);
                 prefill
                     .job
                     .answer(Err(ComputeError::Lost("the step computation panicked")));
+            }
+        }
+    }
+
+    /// Answers a prefill all of whose positions are computed or reused, and
+    /// keeps its new pages for later sessions.
+    fn finish_prefill(&mut self, mut prefill: Prefill) {
+        let whole = match prefill.outputs.len() {
+            1 => prefill.outputs.remove(0),
+            _ => match Tensor::cat(&prefill.outputs, 1) {
+                Ok(whole) => whole,
+                Err(e) => return prefill.job.answer(Err(ModelError::Candle(e).into())),
+            },
+        };
+        let id = prefill.job.id;
+        let positions = prefill.job.start..prefill.job.start + prefill.done;
+        if let (Some(prefixes), Some(history), Some(cache)) = (
+            &self.prefixes,
+            self.histories.get(&id),
+            self.caches.get(&id),
+        ) {
+            if let Err(e) = prefixes.keep(history, positions, &whole, cache) {
+                tracing::warn!(error = %e, "a prefix page could not be kept");
+            }
+        }
+        prefill.job.answer(Ok(whole));
+    }
+
+    /// Notes the inputs of a step that passed its checks.
+    fn record_inputs(&mut self, id: SessionId, start: usize, input: &Tensor) {
+        let Some(history) = self.histories.get_mut(&id) else {
+            return;
+        };
+        let recorded = input
+            .to_dtype(self.span.dtype())
+            .map_err(ModelError::from)
+            .and_then(|input| history.record(start, &input));
+        if let Err(e) = recorded {
+            // Without its inputs the session neither reuses nor shares pages.
+            tracing::warn!(error = %e, "a step's inputs could not be hashed");
+            self.histories.remove(&id);
+        }
+    }
+
+    /// Copies the stored pages a prefill starts with into its session's
+    /// cache; their output rows, in order.
+    fn reuse_prefix(&mut self, id: SessionId, start: usize, total: usize) -> Vec<Tensor> {
+        let (Some(prefixes), Some(history), Some(cache)) = (
+            &self.prefixes,
+            self.histories.get(&id),
+            self.caches.get_mut(&id),
+        ) else {
+            return Vec::new();
+        };
+        match prefixes.reuse(history, start, start + total, cache) {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                tracing::warn!(error = %e, "stored prefix pages could not be reused");
+                Vec::new()
             }
         }
     }

@@ -258,6 +258,12 @@ pub struct ServerArgs {
     /// long prompt does not stall every other session (0: no limit).
     #[arg(long, env = "COROLLA_MAX_CHUNK_TOKENS", default_value_t = 256)]
     pub max_chunk_tokens: usize,
+    /// Do not reuse the KV cache of prompt beginnings other sessions
+    /// computed (shared prefixes: a widget's system prompt is computed once
+    /// per server, not once per visitor). Sharing tells a client, by timing,
+    /// whether another client sent the same beginning lately.
+    #[arg(long, env = "COROLLA_NO_SHARED_PREFIXES")]
+    pub no_shared_prefixes: bool,
     /// KV-cache positions all sessions share; a session reserves its
     /// max_length when it opens (default: what --max-sessions sessions of
     /// --inference-max-length need, at most half the memory available).
@@ -356,6 +362,7 @@ impl ServerArgs {
             max_chunk_tokens: self.max_chunk_tokens,
             max_batch: self.max_batch as usize,
             max_batch_wait: self.max_batch_wait,
+            share_prefixes: !self.no_shared_prefixes,
         }
     }
 

@@ -105,8 +105,13 @@ impl HostSettings {
             leaving: false,
             ..self.template.clone()
         };
-        let core = ComputeCore::start(Arc::new(loaded.span), self.compute, self.metrics.clone())
-            .map_err(ServerError::ComputeThread)?;
+        let core = ComputeCore::start(
+            Arc::new(loaded.span),
+            self.compute,
+            self.metrics.clone(),
+            self.cache.clone(),
+        )
+        .map_err(ServerError::ComputeThread)?;
         let (leaving, shutdown) = watch::channel(false);
         let ctx = SessionContext {
             core,

@@ -364,7 +364,7 @@ async fn status(State(state): State<Arc<HttpState>>) -> Json<Status> {
         compute: state
             .host
             .ctx()
-            .map(|ctx| ctx.core.stats().figures())
+            .map(|ctx| ctx.core.figures())
             .unwrap_or_default(),
     })
 }

@@ -30,6 +30,7 @@ mod rebalance;
 mod refuse;
 mod running;
 mod session;
+mod shared_prefix;
 mod start;
 mod tls;
 

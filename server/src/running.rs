@@ -85,7 +85,7 @@ impl RunningServer {
     pub fn compute_figures(&self) -> ComputeFigures {
         self.host
             .ctx()
-            .map(|ctx| ctx.core.stats().figures())
+            .map(|ctx| ctx.core.figures())
             .unwrap_or_default()
     }
 

@@ -65,7 +65,10 @@ impl SessionContext {
     /// Sessions open and cache tokens free right now.
     pub fn fill_live_figures(&self, r: &mut ServerRecord) {
         r.sessions = self.settings.sessions.in_use() as u32;
-        r.cache_tokens_left = self.settings.cache.free() as u64;
+        // Shared prefix pages make way for sessions: their room is free.
+        let pages = self.core.prefixes().map_or(0, |p| p.tokens_held());
+        r.cache_tokens_left = (self.settings.cache.free() + pages) as u64;
+        r.prefix_tokens = pages as u64;
     }
 
     fn write_deadline(&self) -> Duration {
@@ -489,6 +492,10 @@ async fn reserve_cache(
             Ok(reservation) => return Ok(reservation),
             Err(full) => full,
         };
+        // Shared prefix pages give way before any session does.
+        if ctx.core.prefixes().is_some_and(|p| p.make_room(tokens)) {
+            continue;
+        }
         if !ctx.settings.sessions.evict_for(slot) {
             return Err(full);
         }

@@ -36,6 +36,10 @@ pub struct ServerRecord {
     /// Prefill tokens per second through this server's span.
     pub prefill_throughput: f64,
     pub cache_tokens_left: u64,
+    /// Cache positions this server holds as shared prompt beginnings
+    /// (reused by any session that starts with the same inputs).
+    #[serde(default)]
+    pub prefix_tokens: u64,
     pub max_length: u32,
     pub sessions: u32,
     pub max_sessions: u32,

@@ -107,6 +107,7 @@ mod tests {
             throughput: 1.0,
             prefill_throughput: 1.0,
             cache_tokens_left: 1,
+            prefix_tokens: 0,
             max_length: 1,
             sessions: 0,
             max_sessions: 1,

@@ -27,6 +27,7 @@ mod metrics;
 mod monitor;
 mod protocol;
 mod routing;
+mod shared_prefix;
 mod sources;
 mod structure;
 mod swarm;
