@@ -30,6 +30,8 @@ fi
 "$CARGO_TARGET_DIR/debug/corolla-bench" --quantization-quality --write BENCHMARKS.md
 # Sessions batched through a mixture-of-experts block and its dense twin.
 "$CARGO_TARGET_DIR/debug/corolla-bench" --experts --rounds 3 --write BENCHMARKS.md
+# A second client's prefill after the same system prompt, with and without shared prefixes.
+"$CARGO_TARGET_DIR/debug/corolla-bench" --prefixes --rounds 3 --write BENCHMARKS.md
 # 70B-class heads in the page: the Chromium tests measure, corolla-bench writes the section
 # (an earlier run's figures are removed first, so a test that measured nothing shows as such).
 rm -f tests/artifacts/page-*.json

@@ -485,8 +485,12 @@ impl Blocks {
                     old.close().await;
                 }
                 reused = 0;
-                self.open_chain(needed, conversation.reserve, model_max)
-                    .await?
+                let length = Length {
+                    needed,
+                    reserve: conversation.reserve,
+                    model_max,
+                };
+                self.open_chain(length, prompt.len()).await?
             }
         };
         conversation.cached.clear();
@@ -538,14 +542,16 @@ impl Blocks {
         }
     }
 
-    /// A chain with room for `needed` positions, and up to `reserve` when
-    /// the model (`model_max`) and the servers allow.
-    async fn open_chain(
-        &self,
-        needed: usize,
-        reserve: usize,
-        model_max: usize,
-    ) -> Result<Chain, ClientError> {
+    /// A chain with room for `length.needed` positions, and up to
+    /// `length.reserve` when the model and the servers allow, whose first
+    /// step prefills `prompt_tokens` (routing prefers servers holding shared
+    /// prefixes for long prompts).
+    async fn open_chain(&self, length: Length, prompt_tokens: usize) -> Result<Chain, ClientError> {
+        let Length {
+            needed,
+            reserve,
+            model_max,
+        } = length;
         match &self.place {
             Place::Local(spans) => Ok(Chain::Local(LocalChain::new(
                 spans,
@@ -567,6 +573,7 @@ impl Blocks {
                 };
                 let mut settings = SessionSettings::clone(sessions);
                 settings.max_length = length;
+                settings.prompt_tokens = prompt_tokens;
                 let chain = RemoteChain::connect_via(view, settings, &self.device).await?;
                 Ok(Chain::Remote {
                     chain: Box::new(chain),
@@ -575,6 +582,13 @@ impl Blocks {
             }
         }
     }
+}
+
+/// The positions a new chain needs, may reserve, and the model allows.
+struct Length {
+    needed: usize,
+    reserve: usize,
+    model_max: usize,
 }
 
 /// What crosses the wire when the user did not say: the compute dtype,

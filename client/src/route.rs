@@ -40,6 +40,9 @@ pub struct RouteCosts {
     pub rtt: HashMap<String, f64>,
     /// Tokens of cache a session needs; servers with less are penalised.
     pub max_length: usize,
+    /// Positions the session's first step prefills (0: not known): a server
+    /// announcing shared prefix pages may skip that much of the prefill.
+    pub prompt_tokens: usize,
     /// Moving average of the decode-step time the client measured, per block
     /// a server ran, in seconds, by peer id: once known, it replaces what the
     /// server announced (and its round trip, which it includes).
@@ -76,7 +79,24 @@ impl RouteCosts {
         } else {
             0.0
         };
-        expected + penalty + self.suspicion.get(&r.peer_id).copied().unwrap_or(0.0)
+        let suspicion = self.suspicion.get(&r.peer_id).copied().unwrap_or(0.0);
+        (expected + penalty + suspicion - self.prefix_saving(r, start, end)).max(0.0)
+    }
+
+    /// Seconds per step a server holding shared prefix pages is expected to
+    /// save: the prefill of the prompt positions its pages may cover (at
+    /// its announced prefill speed), spread over the session's other steps.
+    /// The pages may hold another prompt's beginning: the announcement is a
+    /// count, so this is an expectation, at most one prompt's prefill.
+    fn prefix_saving(&self, r: &ServerRecord, start: usize, end: usize) -> f64 {
+        if self.prompt_tokens == 0 || r.prefix_tokens == 0 {
+            return 0.0;
+        }
+        let covered = r.prefix_tokens.min(self.prompt_tokens as u64) as f64;
+        let span = (r.end - r.start).max(1) as f64;
+        let prefill = covered * (end - start) as f64 / (r.prefill_throughput.max(1e-9) * span);
+        let steps = self.max_length.saturating_sub(self.prompt_tokens).max(1);
+        prefill / steps as f64
     }
 }
 
@@ -351,6 +371,33 @@ mod tests {
                 via: None
             }]
         );
+    }
+
+    #[test]
+    fn a_replica_holding_shared_prefixes_wins_a_long_prompt() {
+        let mut plain = record("a", 0, 8);
+        plain.prefill_throughput = 1000.0;
+        let mut holder = record("b", 0, 8);
+        holder.prefill_throughput = 1000.0;
+        holder.prefix_tokens = 640;
+        let records = vec![plain, holder];
+        let first = |costs: &RouteCosts| {
+            plan_route_between(&records, 0, 8, costs).unwrap()[0]
+                .peer_id
+                .clone()
+        };
+        // Without a prompt to prefill (or a short one against a long answer) the tie stands.
+        assert_eq!(first(&RouteCosts::default()), "a");
+        let long_prompt = RouteCosts {
+            max_length: 700,
+            prompt_tokens: 600,
+            ..RouteCosts::default()
+        };
+        assert_eq!(first(&long_prompt), "b");
+        // A holder measured much slower per step loses all the same.
+        let mut slow = long_prompt.clone();
+        slow.measured_step.insert("b".into(), 1.0);
+        assert_eq!(first(&slow), "a");
     }
 
     #[test]

@@ -18,6 +18,9 @@ pub struct SessionSettings {
     pub expected_blocks: Option<Vec<String>>,
     pub num_layers: usize,
     pub max_length: usize,
+    /// Positions the chain's first step prefills (0: not known); routing
+    /// prefers servers that hold shared prefix pages for long prompts.
+    pub prompt_tokens: usize,
     /// The dtype of activations on the wire (what sessions are opened with).
     pub dtype: WireDType,
     /// What the user asked to put on the wire; `None`: f16 where the
@@ -69,6 +72,7 @@ impl SessionSettings {
             expected_blocks: None,
             num_layers,
             max_length,
+            prompt_tokens: 0,
             dtype,
             wire_dtype: None,
             compression: Compression::None,

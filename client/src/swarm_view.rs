@@ -256,13 +256,14 @@ impl SwarmView {
     }
 
     /// The least-latency chain for blocks `from..to` with room for
-    /// `max_length` positions. Plans from the view first; when that does not
-    /// cover the blocks, looks the swarm up again until `patience` is over.
+    /// `max_length` positions, whose first step prefills `prompt_tokens`.
+    /// Plans from the view first; when that does not cover the blocks,
+    /// looks the swarm up again until `patience` is over.
     pub async fn route(
         &self,
         from: usize,
         to: usize,
-        max_length: usize,
+        (max_length, prompt_tokens): (usize, usize),
         patience: Duration,
     ) -> Result<Vec<Hop>, ClientError> {
         let deadline = Instant::now() + patience;
@@ -276,7 +277,10 @@ impl SwarmView {
             looked_up = true;
         }
         loop {
-            let costs = self.costs(max_length);
+            let costs = RouteCosts {
+                prompt_tokens,
+                ..self.costs(max_length)
+            };
             match plan_route_between(&self.usable_servers(), from, to, &costs) {
                 Ok(route) => return Ok(route),
                 Err(e) if Instant::now() >= deadline || looked_up && self.all_refused(from, to) => {
@@ -321,6 +325,7 @@ impl SwarmView {
             suspicion,
             rtt: state.rtt.clone(),
             max_length,
+            prompt_tokens: 0,
             measured_step: state.step_per_block.clone(),
         }
     }

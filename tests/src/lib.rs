@@ -10,6 +10,7 @@ pub mod hostile;
 pub mod nat;
 pub mod netns;
 pub mod page_figures;
+pub mod prefix_bench;
 pub mod report;
 pub mod span_batching;
 pub mod wan;

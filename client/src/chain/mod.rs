@@ -236,7 +236,12 @@ impl RemoteChain {
     async fn find_route(&mut self, from: usize, to: usize) -> Result<Vec<Hop>, ClientError> {
         let s = &self.settings;
         self.view
-            .route(from, to, s.max_length, s.discovery_timeout)
+            .route(
+                from,
+                to,
+                (s.max_length, s.prompt_tokens),
+                s.discovery_timeout,
+            )
             .await
     }
 

@@ -13,7 +13,9 @@
 //! or `corolla-bench --wire-quality [--prompts N] [--new-tokens N] [--write FILE]` (what f16
 //! and 8-bit activations on the wire do to the default model's answers),
 //! or `corolla-bench --experts [--rounds N] [--write FILE]` (sessions batched through a
-//! mixture-of-experts block).
+//! mixture-of-experts block),
+//! or `corolla-bench --prefixes [--rounds N] [--write FILE]` (a second client's prefill after
+//! the same system prompt, with and without shared prefixes).
 
 use std::time::Duration;
 
@@ -72,6 +74,9 @@ struct BenchArgs {
     /// Sessions batched through a mixture-of-experts block and its dense twin.
     #[arg(long, group = "section")]
     experts: bool,
+    /// A second client's prefill after the same system prompt, shared and not.
+    #[arg(long, group = "section")]
+    prefixes: bool,
     /// Chat turns' time to first token.
     #[arg(long, group = "section")]
     only_chat: bool,
@@ -181,6 +186,13 @@ async fn main() -> anyhow::Result<()> {
         let rounds = cli.rounds.unwrap_or(3);
         let section = tokio::task::spawn_blocking(move || experts_section(rounds)).await??;
         return emit(&cli, &run, EXPERTS_HEADING, &section);
+    }
+    if cli.prefixes {
+        use corolla_tests::prefix_bench::{prefix_section, PREFIX_HEADING};
+        let model = corolla_tests::default_model()
+            .ok_or_else(|| anyhow::anyhow!("--prefixes needs the default model"))?;
+        let section = prefix_section(&model, cli.rounds.unwrap_or(3)).await?;
+        return emit(&cli, &run, PREFIX_HEADING, &section);
     }
     if cli.wan {
         use corolla_tests::wan_bench::{bench_wan, WAN_HEADING};
