@@ -6,6 +6,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 
+mod experts;
+mod rope_scaling;
+
+use experts::experts_of;
+pub use experts::{ExpertConfig, MAX_EXPERTS};
+use rope_scaling::{parse_rope_scaling, RawRope};
+
 /// How rotary frequencies are rescaled for longer contexts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
@@ -93,23 +100,6 @@ impl Family {
             .join(", ")
     }
 }
-
-/// A mixture-of-experts feed-forward (Mixtral, Qwen3-MoE): each token goes
-/// through `per_token` of `count` SwiGLU experts, weighted by the router's
-/// softmax over all of them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ExpertConfig {
-    pub count: usize,
-    pub per_token: usize,
-    /// Each expert's FFN width.
-    pub intermediate_size: usize,
-    /// The chosen experts' weights rescaled to sum to 1 (Mixtral always;
-    /// Qwen3-MoE with `norm_topk_prob`).
-    pub normalize: bool,
-}
-
-/// The most experts a layer may declare (Qwen3-MoE has 128).
-pub const MAX_EXPERTS: usize = 1024;
 
 /// The validated configuration of a Llama-family model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -200,19 +190,6 @@ struct RawConfig {
 enum OneOrMany {
     One(u32),
     Many(Vec<u32>),
-}
-
-#[derive(Debug, Deserialize)]
-struct RawRope {
-    rope_theta: Option<f64>,
-    rope_type: Option<String>,
-    #[serde(rename = "type")]
-    legacy_type: Option<String>,
-    factor: Option<f64>,
-    low_freq_factor: Option<f64>,
-    high_freq_factor: Option<f64>,
-    original_max_position_embeddings: Option<usize>,
-    divisors: Option<Vec<f64>>,
 }
 
 fn default_max_positions() -> usize {
@@ -486,105 +463,6 @@ impl LlamaConfig {
             eos_token_ids,
             torch_dtype: raw.dtype.or(raw.torch_dtype),
         })
-    }
-}
-
-/// The mixture of experts a config declares, checked.
-fn experts_of(raw: &RawConfig, family: Family) -> Result<Option<ExpertConfig>> {
-    let moe_family = matches!(family, Family::Mixtral | Family::Qwen3Moe);
-    let count = raw.num_local_experts.or(raw.num_experts).unwrap_or(0);
-    if count == 0 {
-        if moe_family {
-            return Err(ModelError::InvalidConfig(format!(
-                "{} without experts (num_local_experts)",
-                family.architecture()
-            )));
-        }
-        return Ok(None);
-    }
-    if !moe_family {
-        return Err(ModelError::InvalidConfig(format!(
-            "{} has no experts, but the config declares {count}",
-            family.architecture()
-        )));
-    }
-    let invalid = |m: String| Err(ModelError::InvalidConfig(m));
-    if count > MAX_EXPERTS {
-        return invalid(format!("{count} experts (at most {MAX_EXPERTS})"));
-    }
-    let per_token = raw.num_experts_per_tok.unwrap_or(2);
-    if per_token == 0 || per_token > count {
-        return invalid(format!(
-            "num_experts_per_tok {per_token} must be 1 to {count}"
-        ));
-    }
-    // Qwen3-MoE can interleave dense and sparse blocks; its released models do not.
-    if raw.decoder_sparse_step.unwrap_or(1) != 1 || !raw.mlp_only_layers.is_empty() {
-        return invalid(
-            "dense blocks between expert blocks (decoder_sparse_step, mlp_only_layers) are not supported"
-                .into(),
-        );
-    }
-    let intermediate_size = match family {
-        Family::Qwen3Moe => raw.moe_intermediate_size.unwrap_or(raw.intermediate_size),
-        _ => raw.intermediate_size,
-    };
-    if intermediate_size == 0 {
-        return invalid("the experts' intermediate size must be positive".into());
-    }
-    Ok(Some(ExpertConfig {
-        count,
-        per_token,
-        intermediate_size,
-        normalize: family == Family::Mixtral || raw.norm_topk_prob.unwrap_or(false),
-    }))
-}
-
-fn parse_rope_scaling(r: &RawRope, max_positions: usize) -> Result<RopeScaling> {
-    let kind = r
-        .rope_type
-        .as_deref()
-        .or(r.legacy_type.as_deref())
-        .unwrap_or("default");
-    let factor = || {
-        r.factor
-            .filter(|f| f.is_finite() && *f > 0.0)
-            .ok_or_else(|| {
-                ModelError::InvalidConfig(format!("rope type {kind:?} needs a positive factor"))
-            })
-    };
-    match kind {
-        "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear { factor: factor()? }),
-        "llama3" => {
-            let low = r.low_freq_factor.unwrap_or(1.0);
-            let high = r.high_freq_factor.unwrap_or(4.0);
-            if !(low > 0.0 && high > low) {
-                return Err(ModelError::InvalidConfig(format!(
-                    "llama3 rope needs 0 < low_freq_factor ({low}) < high_freq_factor ({high})"
-                )));
-            }
-            Ok(RopeScaling::Llama3 {
-                factor: factor()?,
-                low_freq_factor: low,
-                high_freq_factor: high,
-                original_max_position_embeddings: r
-                    .original_max_position_embeddings
-                    .unwrap_or(max_positions),
-            })
-        }
-        CUSTOM_DIVISORS => {
-            let divisors = r.divisors.clone().unwrap_or_default();
-            if divisors.iter().any(|d| !(d.is_finite() && *d > 0.0)) {
-                return Err(ModelError::InvalidConfig(
-                    "rope divisors must be positive".into(),
-                ));
-            }
-            Ok(RopeScaling::Divisors(divisors))
-        }
-        other => Err(ModelError::InvalidConfig(format!(
-            "rope scaling type {other:?} is not supported (supported: default, linear, llama3)"
-        ))),
     }
 }
 
