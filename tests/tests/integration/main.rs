@@ -20,6 +20,7 @@ mod faults;
 mod fetch;
 mod flow;
 mod gguf;
+mod gguf_shapes;
 mod gguf_tiny;
 mod golden;
 mod http;
