@@ -3,7 +3,9 @@
 
 pub mod batching_bench;
 pub mod browser;
+pub mod chat_bench;
 pub mod compute_bench;
+pub mod demo_swarm;
 pub mod experts_bench;
 pub mod forwarder;
 pub mod hostile;

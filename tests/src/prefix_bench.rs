@@ -16,7 +16,8 @@ use corolla_model::{Checkpoint, ClientHead, DType, Device, QuantizedWeights, Sam
 use corolla_server::RunningServer;
 use corolla_shared::WireDType;
 
-use crate::{median, start_model_server};
+use crate::demo_swarm::demo_swarm;
+use crate::median;
 
 pub const PREFIX_HEADING: &str = "## Shared prefixes: a system prompt across clients";
 
@@ -55,18 +56,6 @@ fn system_prompt(round: usize) -> String {
         }
     }
     text
-}
-
-async fn demo_swarm(model: &Path, layers: usize, flags: &[&str]) -> Vec<RunningServer> {
-    let bounds = [0, layers / 3, 2 * layers / 3, layers];
-    let first = start_model_server(model, &format!("0:{}", bounds[1]), None, flags).await;
-    let join = first.tcp_addr().map(|a| a.to_string());
-    let mut servers = vec![first];
-    for w in bounds[1..].windows(2) {
-        let blocks = format!("{}:{}", w[0], w[1]);
-        servers.push(start_model_server(model, &blocks, join.as_deref(), flags).await);
-    }
-    servers
 }
 
 /// One answer from a client of its own (a new node) on `servers`.

@@ -24,11 +24,14 @@ use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, Session
 use corolla_model::fingerprint::block_hashes;
 use corolla_model::random::write_random_checkpoint;
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
-use corolla_server::{RunningServer, Server, ServerArgs};
+use corolla_server::RunningServer;
 use corolla_shared::WireDType;
 use corolla_tests::batching_bench::{bench_batching, BATCHING_HEADING};
+use corolla_tests::chat_bench::{bench_chat_turns, CHAT_HEADING};
+use corolla_tests::demo_swarm::{bootstrap as bootstrap_of, demo_swarm, even_swarm};
 use corolla_tests::median;
 use corolla_tests::report::{write_report, write_section, Run};
+use corolla_tests::start_model_server;
 
 const NOTES: &str = "Notes: this machine has 2 noisy cores, and the servers, the client and the
 local baseline all share them in one process. Across runs the swarm/local
@@ -86,43 +89,6 @@ struct BenchArgs {
     /// Swarm vs local on the bench model.
     #[arg(long, group = "section")]
     only_swarm: bool,
-}
-
-async fn start(model: &str, blocks: String, join: Option<String>) -> RunningServer {
-    let mut args: Vec<String> = [
-        "corolla-server",
-        "--model",
-        model,
-        "--block-indices",
-        &blocks,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--update-period",
-        "30s",
-    ]
-    .map(String::from)
-    .to_vec();
-    match join {
-        Some(peer) => args.extend(["--initial-peers".into(), peer]),
-        None => args.push("--new-swarm".into()),
-    }
-    Server::start(ServerArgs::from_args_and_file(args).expect("args"))
-        .await
-        .expect("server")
-}
-
-/// `corolla demo`'s layout: three servers of a third of the blocks each;
-/// returns them and the first one's TCP address.
-async fn demo_layout(model: &str, layers: usize) -> (Vec<RunningServer>, String) {
-    let first = start(model, format!("0:{}", layers / 3), None).await;
-    let bootstrap = first.tcp_addr().expect("tcp").to_string();
-    let mut servers = vec![first];
-    for (a, b) in [(layers / 3, 2 * layers / 3), (2 * layers / 3, layers)] {
-        servers.push(start(model, format!("{a}:{b}"), Some(bootstrap.clone())).await);
-    }
-    (servers, bootstrap)
 }
 
 /// Prints a section and, with `--write`, writes it into the report.
@@ -241,19 +207,8 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let per = spec.num_layers / servers_n;
-    let first = start(&model, format!("0:{per}"), None).await;
-    let bootstrap = first.tcp_addr().expect("tcp").to_string();
-    let mut servers = vec![first];
-    for k in 1..servers_n {
-        servers.push(
-            start(
-                &model,
-                format!("{}:{}", k * per, (k + 1) * per),
-                Some(bootstrap.clone()),
-            )
-            .await,
-        );
-    }
+    let mut servers = even_swarm(&dir, spec.num_layers, servers_n, &[]).await;
+    let bootstrap = bootstrap_of(&servers)?.to_string();
     let node = connect(&[bootstrap.parse()?]).await?;
     let mut settings = SessionSettings::new(
         servers[0].model(),
@@ -397,9 +352,8 @@ async fn bench_default_model(path: &std::path::Path, rounds: usize) -> anyhow::R
     let layers = ck.config().num_hidden_layers;
     let head = ClientHead::load(&ck, DType::F32, &Device::Cpu)?;
     let whole = [BlockSpan::load(&ck, 0, layers, DType::F32, &Device::Cpu)?];
-    let model = path.to_string_lossy().into_owned();
-    let (servers, bootstrap) = demo_layout(&model, layers).await;
-    let node = connect(&[bootstrap.parse()?]).await?;
+    let servers = demo_swarm(path, layers, &[]).await;
+    let node = connect(&[bootstrap_of(&servers)?]).await?;
     let mut settings = SessionSettings::new(
         servers[0].model(),
         layers,
@@ -463,14 +417,10 @@ async fn bench_recovery(
 ) -> anyhow::Result<String> {
     const HISTORY: usize = 256;
     const PROMPT: usize = 250;
-    servers.push(
-        start(
-            model,
-            format!("{per}:{}", 2 * per),
-            Some(bootstrap.to_string()),
-        )
-        .await,
-    );
+    let blocks = format!("{per}:{}", 2 * per);
+    let quiet = ["--update-period", "30s"];
+    let model = std::path::Path::new(model);
+    servers.push(start_model_server(model, &blocks, Some(bootstrap), &quiet).await);
     let expected = servers.len();
     for _ in 0..100 {
         if node
@@ -628,102 +578,6 @@ fn bench_browser(model: &std::path::Path, rounds: usize) -> String {
          | transport | native tokens/s | browser tokens/s | browser / native (target >= 0.8) |\n|---|---|---|---|\n{rows}"
     ));
     out
-}
-
-const CHAT_HEADING: &str = "## Chat turns: time to first token";
-
-/// A six-turn chat on `corolla demo`'s layout whose history grows by ~100
-/// tokens a turn (a ~60-token message, a 40-token answer): time to the
-/// first token of each turn through one conversation (only new tokens are
-/// sent) and through a new conversation per turn (the whole history again).
-async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::Result<String> {
-    use corolla_client::{Assistant, ChatMessage, Conversation};
-    use corolla_model::QuantizedWeights;
-    const TURNS: usize = 6;
-    const ANSWER: usize = 40;
-    let ck = Checkpoint::open(path)?.with_quantized_weights(QuantizedWeights::Auto);
-    let layers = ck.config().num_hidden_layers;
-    let model = path.to_string_lossy().into_owned();
-    let (servers, bootstrap) = demo_layout(&model, layers).await;
-    let node = connect(&[bootstrap.parse()?]).await?;
-    let assistant = Assistant::swarm(&ck, DType::F32, node, SessionSettings::default())?;
-    let message = |turn: usize| {
-        ChatMessage::user(format!(
-            "Question {turn}: I am planning a long walk along the coast next weekend, with friends who \
-             like birds, old lighthouses and small harbours. What should we pack, which time of day is \
-             best for the light, and what should we look out for on the way?"
-        ))
-    };
-    // (reuse?, turn) -> time to first token, per round.
-    let mut ttft = vec![vec![Vec::new(); TURNS]; 2];
-    let mut history_len = [0; TURNS];
-    for round in 0..rounds + 1 {
-        for (mode, reuse) in [(0, true), (1, false)] {
-            let mut conversation = Conversation::new();
-            let mut messages = Vec::new();
-            for turn in 0..TURNS {
-                messages.push(message(turn));
-                let request = GenerateRequest {
-                    prompt_ids: assistant.chat_prompt(&messages)?,
-                    max_new_tokens: ANSWER,
-                    sampling: SamplingParams::greedy(),
-                    stop_at_eos: false,
-                    drafts: 0,
-                };
-                history_len[turn] = request.prompt_ids.len();
-                if !reuse {
-                    std::mem::take(&mut conversation).close().await;
-                }
-                let started = std::time::Instant::now();
-                let mut first_token = None;
-                let answer = assistant
-                    .answer(&mut conversation, &request, |_| {
-                        first_token.get_or_insert_with(|| started.elapsed());
-                        std::ops::ControlFlow::Continue(())
-                    })
-                    .await?;
-                if reuse && turn > 0 {
-                    anyhow::ensure!(answer.reused_tokens > 0, "turn {turn} reused nothing");
-                }
-                let text = assistant.tokenizer().decode(&answer.output.generated_ids)?;
-                messages.push(ChatMessage::assistant(text.trim().to_string()));
-                if round > 0 {
-                    ttft[mode][turn].push(first_token.unwrap_or_default().as_secs_f64() * 1e3);
-                }
-            }
-            conversation.close().await;
-        }
-        eprintln!("chat round {round} done");
-    }
-    drop(servers);
-    let med: Vec<Vec<f64>> = ttft
-        .into_iter()
-        .map(|turns| turns.into_iter().map(median).collect())
-        .collect();
-    let mut rows = String::new();
-    for turn in 0..TURNS {
-        rows.push_str(&format!(
-            "| {} | {} | {:.0} | {:.0} |\n",
-            turn + 1,
-            history_len[turn],
-            med[0][turn],
-            med[1][turn]
-        ));
-    }
-    Ok(format!(
-        "{CHAT_HEADING}\n\n\
-         Command: `corolla-bench --only-chat --rounds {rounds} --write BENCHMARKS.md` (also part of `bash scripts/bench.sh`).\n\n\
-         SmolLM2-135M-Instruct in `corolla demo`'s layout (three servers of 10 blocks on loopback, in the benchmark's \
-         process); a {TURNS}-turn chat whose history grows by ~100 tokens a turn (a ~60-token message and a \
-         {ANSWER}-token greedy answer); time from asking to the first token, medians of {rounds} rounds after a warm-up. \
-         One conversation keeps its server sessions and sends only the new tokens; the other opens new sessions \
-         and sends the whole history every turn (what every answer did before).\n\n\
-         | turn | prompt tokens | one conversation (ms) | new sessions each turn (ms) |\n|---|---|---|---|\n{rows}\n\
-         - turn {TURNS} / turn 1, one conversation: **{:.2}** (target <= 1.2)\n\
-         - turn {TURNS} / turn 1, new sessions each turn: {:.2}\n",
-        med[0][TURNS - 1] / med[0][0],
-        med[1][TURNS - 1] / med[1][0],
-    ))
 }
 
 const SWARM_HEADING: &str = "## Swarm vs local (`corolla-bench`)";
