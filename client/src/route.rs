@@ -100,6 +100,11 @@ impl RouteCosts {
     }
 }
 
+/// Whether two route costs differ only by float rounding.
+fn same_cost(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs())
+}
+
 /// Folds one round trip into `peer`'s moving average.
 pub fn update_rtt_average(averages: &mut HashMap<String, f64>, peer: &str, seconds: f64) {
     let avg = averages.entry(peer.to_string()).or_insert(seconds);
@@ -143,10 +148,13 @@ pub fn plan_route_between(
                 let slot = &mut best[e - from];
                 let better = match slot {
                     None => true,
-                    Some((c, h, _, j)) => {
-                        (candidate.0, candidate.1, &records[i].peer_id)
-                            < (*c, *h, &records[*j].peer_id)
+                    // Costs equal but for rounding are a tie: a span cut into
+                    // pieces on one server sums the same per-block cost in
+                    // another order, and must not win by the last bit.
+                    Some((c, h, _, j)) if same_cost(candidate.0, *c) => {
+                        (candidate.1, &records[i].peer_id) < (*h, &records[*j].peer_id)
                     }
+                    Some((c, _, _, _)) => candidate.0 < *c,
                 };
                 if better {
                     *slot = Some(candidate);
@@ -398,6 +406,20 @@ mod tests {
         let mut slow = long_prompt.clone();
         slow.measured_step.insert("b".into(), 1.0);
         assert_eq!(first(&slow), "a");
+    }
+
+    #[test]
+    fn a_measured_server_is_one_hop_not_pieces_of_its_span() {
+        // Measured costs are per block with no round trip per hop: pieces of
+        // one span summed in another order differ in the last bit.
+        let records = vec![record("a", 0, 8), record("b", 3, 8)];
+        for per_block in [0.1, 0.7, 1.0 / 3.0, 0.013, 0.0271, 1e-3 / 7.0, 0.09] {
+            let mut costs = RouteCosts::default();
+            costs.measured_step.insert("a".into(), per_block);
+            costs.measured_step.insert("b".into(), per_block);
+            let route = plan_route_between(&records, 0, 8, &costs).unwrap();
+            assert_eq!(route.len(), 1, "{per_block}: {route:?}");
+        }
     }
 
     #[test]
