@@ -24,9 +24,11 @@ pub async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::
     let servers = demo_swarm(path, layers, &[]).await;
     let node = connect(&[bootstrap(&servers)?]).await?;
     let assistant = Assistant::swarm(&ck, DType::F32, node, SessionSettings::default())?;
-    let message = |turn: usize| {
+    // Each round's chat is its own from the first message on, so no round
+    // finds the pages of an earlier one's beginning (shared prefixes).
+    let message = |round: usize, turn: usize| {
         ChatMessage::user(format!(
-            "Question {turn}: I am planning a long walk along the coast next weekend, with friends who \
+            "Walk {round}, question {turn}: I am planning a long walk along the coast next weekend, with friends who \
              like birds, old lighthouses and small harbours. What should we pack, which time of day is \
              best for the light, and what should we look out for on the way?"
         ))
@@ -39,7 +41,7 @@ pub async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::
             let mut conversation = Conversation::new();
             let mut messages = Vec::new();
             for turn in 0..TURNS {
-                messages.push(message(turn));
+                messages.push(message(round, turn));
                 let request = GenerateRequest {
                     prompt_ids: assistant.chat_prompt(&messages)?,
                     max_new_tokens: ANSWER,
@@ -94,7 +96,9 @@ pub async fn bench_chat_turns(path: &std::path::Path, rounds: usize) -> anyhow::
          process); a {TURNS}-turn chat whose history grows by ~100 tokens a turn (a ~60-token message and a \
          {ANSWER}-token greedy answer); time from asking to the first token, medians of {rounds} rounds after a warm-up. \
          One conversation keeps its server sessions and sends only the new tokens; the other opens new sessions \
-         and sends the whole history every turn (what every answer did before).\n\n\
+         and sends the whole history every turn (what every answer did before); the servers share prefixes, \
+         so the second finds the pages of the first one's same history (each round's chat differs from its first \
+         message on, so a round's first turn finds nothing).\n\n\
          | turn | prompt tokens | one conversation (ms) | new sessions each turn (ms) |\n|---|---|---|---|\n{rows}\n\
          - turn {TURNS} / turn 1, one conversation: **{:.2}** (target <= 1.2)\n\
          - turn {TURNS} / turn 1, new sessions each turn: {:.2}\n",
