@@ -17,21 +17,18 @@ use corolla_shared::WireDType;
 
 use crate::chain::{Recovery, RemoteChain};
 use crate::chat::{ChatMessage, ChatTemplate};
+use crate::conversation::Chain;
+pub use crate::conversation::{Conversation, CONVERSATION_LENGTH};
 use crate::draft_model::DraftModel;
 use crate::error::ClientError;
 use crate::generate::{generate_after, GenerateOutput, GenerateRequest, LocalHead, TokenHead};
-use crate::identities::{Identities, Lease, MAX_IDENTITIES};
+use crate::identities::{Identities, MAX_IDENTITIES};
 use crate::local::LocalChain;
 use crate::route::Hop;
 use crate::session_settings::SessionSettings;
 use crate::swarm_view::SwarmView;
 use crate::text::TextTokenizer;
 use crate::tokens::common_prefix;
-
-/// Positions a conversation's sessions reserve when they open, so that
-/// follow-ups fit without reopening (bounded by what the model and the
-/// servers allow, and never less than the request needs).
-pub const CONVERSATION_LENGTH: usize = 2048;
 
 /// Where the decoder blocks run: in this process, or on a swarm. Answers
 /// through [`Blocks::answer`] with any [`TokenHead`] (the page's lives in a
@@ -121,99 +118,6 @@ pub struct Answer {
     pub suspects: Vec<String>,
     /// Steps that went down the whole route by server-to-server push.
     pub pushed_steps: usize,
-}
-
-enum Chain {
-    Local(LocalChain),
-    Remote {
-        chain: Box<RemoteChain>,
-        /// The identity the chain's sessions are held by.
-        _lease: Lease,
-    },
-}
-
-impl Chain {
-    fn capacity(&self) -> usize {
-        match self {
-            Chain::Local(c) => c.capacity(),
-            Chain::Remote { chain, .. } => chain.capacity(),
-        }
-    }
-
-    async fn close(self) {
-        if let Chain::Remote { chain, .. } = self {
-            chain.close().await;
-        }
-    }
-}
-
-/// A conversation's chain and the tokens whose positions its caches hold.
-/// Answers given through the same conversation reuse the longest common
-/// prefix of those tokens and the new prompt; an edited or regenerated
-/// message rewinds to where the prompts diverge.
-pub struct Conversation {
-    chain: Option<Chain>,
-    cached: Vec<u32>,
-    reserve: usize,
-}
-
-impl Default for Conversation {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Conversation {
-    /// A conversation whose sessions reserve [`CONVERSATION_LENGTH`] positions.
-    pub fn new() -> Self {
-        Conversation {
-            chain: None,
-            cached: Vec::new(),
-            reserve: CONVERSATION_LENGTH,
-        }
-    }
-
-    /// For a single answer: sessions reserve exactly what it needs.
-    pub fn one_shot() -> Self {
-        Conversation {
-            reserve: 0,
-            ..Self::new()
-        }
-    }
-
-    /// The tokens the open sessions hold, position by position.
-    pub fn cached_tokens(&self) -> &[u32] {
-        &self.cached
-    }
-
-    pub fn is_open(&self) -> bool {
-        self.chain.is_some()
-    }
-
-    /// Keeps the servers' sessions of an idle conversation open (see
-    /// [`RemoteChain::keep_alive`]); a front end calls it every minute or so
-    /// while the conversation is on screen. On a failure the chain is closed
-    /// and the next answer opens a new one.
-    pub async fn keep_alive(&mut self) {
-        if let Some(Chain::Remote { chain, .. }) = &mut self.chain {
-            if let Err(e) = chain.keep_alive().await {
-                tracing::debug!(error = %e, "keep-alive failed; the next answer reopens");
-                self.reset().await;
-            }
-        }
-    }
-
-    /// Ends the sessions politely (servers free their caches at once).
-    pub async fn close(mut self) {
-        self.reset().await;
-    }
-
-    async fn reset(&mut self) {
-        self.cached.clear();
-        if let Some(chain) = self.chain.take() {
-            chain.close().await;
-        }
-    }
 }
 
 impl Assistant {

@@ -13,6 +13,7 @@
 pub mod assistant;
 pub mod chain;
 pub mod chat;
+pub mod conversation;
 pub mod draft;
 pub mod draft_model;
 mod error;
