@@ -153,15 +153,18 @@ pub(crate) async fn until_announced(node: &NodeHandle, peers: &[PeerId]) {
     let started = std::time::Instant::now();
     loop {
         let found = node.discover(MODEL, Duration::from_secs(2)).await.unwrap();
-        if peers
+        let missing: Vec<&PeerId> = peers
             .iter()
-            .all(|p| found.iter().any(|r| r.peer_id == p.to_string()))
-        {
+            .filter(|p| !found.iter().any(|r| r.peer_id == p.to_string()))
+            .collect();
+        if missing.is_empty() {
             return;
         }
         assert!(
             started.elapsed() < Duration::from_secs(60),
-            "not all of {peers:?} announced"
+            "{} of {} peers never announced: {missing:?}",
+            missing.len(),
+            peers.len()
         );
     }
 }
