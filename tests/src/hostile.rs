@@ -310,9 +310,8 @@ pub async fn lying_server_at(
         let handle = task_handle;
         let serve = async {
             let _listening = events.next().await;
-            // Until the bootstrap answers: a crowd dialling one server at
-            // once on a loaded machine sees some dials fail, and kad forgets
-            // an address that failed, which left a fake unannounced for good.
+            // Connected to the bootstrap before announcing: a crowd dialling
+            // one server at once on a loaded machine can see a dial fail.
             for _ in 0..60 {
                 let dialed = handle
                     .dial(boot, vec![base.clone()], Duration::from_secs(5))
