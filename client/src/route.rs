@@ -80,7 +80,10 @@ impl RouteCosts {
             0.0
         };
         let suspicion = self.suspicion.get(&r.peer_id).copied().unwrap_or(0.0);
-        (expected + penalty + suspicion - self.prefix_saving(r, start, end)).max(0.0)
+        // The saving rests on the server's own figures (a slower announced
+        // prefill claims a larger one): it may at most halve the hop's cost.
+        let saving = self.prefix_saving(r, start, end).min(expected / 2.0);
+        (expected + penalty + suspicion - saving).max(0.0)
     }
 
     /// Seconds per step a server holding shared prefix pages is expected to
@@ -402,6 +405,16 @@ mod tests {
             ..RouteCosts::default()
         };
         assert_eq!(first(&long_prompt), "b");
+        // A holder claiming a crawling prefill gains at most half its cost.
+        let mut liar = records[1].clone();
+        liar.prefill_throughput = 1e-9;
+        let with_liar = vec![records[0].clone(), liar];
+        let mut slower = long_prompt.clone();
+        slower.measured_step.insert("b".into(), 0.3);
+        assert_eq!(
+            plan_route_between(&with_liar, 0, 8, &slower).unwrap()[0].peer_id,
+            "a"
+        );
         // A holder measured much slower per step loses all the same.
         let mut slow = long_prompt.clone();
         slow.measured_step.insert("b".into(), 1.0);
