@@ -26,6 +26,19 @@ impl LocalChain {
         })
     }
 
+    /// [`Self::new`] with every step through `adapter` (PEFT or GGUF LoRA).
+    pub fn with_adapter(
+        spans: &[BlockSpan],
+        max_length: usize,
+        adapter: &corolla_model::AdapterFile,
+    ) -> Result<Self, ClientError> {
+        let mut chain = Self::new(spans, max_length)?;
+        for (span, cache) in &mut chain.stages {
+            cache.set_adapter(Some(span.adapter(adapter)?));
+        }
+        Ok(chain)
+    }
+
     /// Positions the caches were allocated for.
     pub fn capacity(&self) -> usize {
         self.capacity

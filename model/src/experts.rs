@@ -13,6 +13,7 @@ use crate::checkpoint::Weights;
 use crate::config::{ExpertConfig, LlamaConfig};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
+use crate::lora::RowLoras;
 use crate::mlp::Mlp;
 
 #[derive(Debug, Clone)]
@@ -127,7 +128,7 @@ impl Experts {
                 continue;
             }
             let ids = Tensor::new(ids.as_slice(), rows.device())?;
-            let y = expert.forward(&rows.index_select(&ids, 0)?)?;
+            let y = expert.forward(&rows.index_select(&ids, 0)?, &RowLoras::None)?;
             let weights = Tensor::new(weights.as_slice(), rows.device())?
                 .to_dtype(y.dtype())?
                 .unsqueeze(1)?;

@@ -6,6 +6,7 @@ use crate::checkpoint::Weights;
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::experts::Experts;
+use crate::lora::RowLoras;
 use crate::mlp::Mlp;
 
 #[derive(Debug, Clone)]
@@ -23,10 +24,12 @@ impl FeedForward {
         })
     }
 
-    /// `x`: rows of the hidden size, under any leading dimensions.
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x`: rows of the hidden size, under any leading dimensions. Adapters
+    /// change a dense MLP only ([`crate::lora::SpanAdapter`] refuses
+    /// others for a mixture).
+    pub(crate) fn forward(&self, x: &Tensor, loras: &RowLoras) -> Result<Tensor> {
         match self {
-            Self::Dense(mlp) => mlp.forward(x),
+            Self::Dense(mlp) => mlp.forward(x, loras),
             Self::Experts(experts) => experts.forward(x),
         }
     }

@@ -141,7 +141,7 @@ impl std::fmt::Debug for GgufFile {
 /// bytes, then an integer type tag and a zero.
 /// Only the metadata at the file's start is looked at (a 70B file's tensor
 /// data is tens of GB): the first 64 MiB, more than any tokenizer's metadata.
-fn has_zero_alignment(bytes: &[u8]) -> bool {
+pub(crate) fn has_zero_alignment(bytes: &[u8]) -> bool {
     const KEY: &[u8] = b"general.alignment";
     const METADATA_SCANNED: usize = 64 << 20;
     bytes[..bytes.len().min(METADATA_SCANNED)]

@@ -1,4 +1,5 @@
-//! A session's KV cache for one span, and copies of some of its positions.
+//! A session's KV cache for one span (with the adapter the session runs
+//! with), and copies of some of its positions.
 //!
 //! The cache is preallocated for the session's maximum length and written in
 //! place at each step; attention reads it as one contiguous tensor per layer.
@@ -12,6 +13,7 @@ use std::ops::Range;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::lora::SpanAdapter;
 
 #[derive(Debug)]
 pub(crate) struct LayerCache {
@@ -20,10 +22,13 @@ pub(crate) struct LayerCache {
     pub(crate) values: Tensor,
 }
 
-/// The KV cache of one session for one span, preallocated to `capacity` positions.
+/// The KV cache of one session for one span, preallocated to `capacity`
+/// positions, and the LoRA adapter the session's steps run with: the keys
+/// and values it holds were computed with that adapter.
 #[derive(Debug)]
 pub struct SessionCache {
     pub(crate) layers: Vec<LayerCache>,
+    pub(crate) adapter: Option<SpanAdapter>,
     /// Absolute index of the first layer this cache serves.
     pub(crate) first_layer: usize,
     pub(crate) len: usize,
@@ -97,6 +102,7 @@ impl SessionCache {
             .collect::<Result<Vec<_>>>()?;
         Ok(SessionCache {
             layers: caches,
+            adapter: None,
             first_layer: layers.start,
             len: 0,
             capacity,
@@ -125,6 +131,18 @@ impl SessionCache {
     /// The absolute layers this cache serves.
     pub fn layers(&self) -> Range<usize> {
         self.first_layer..self.first_layer + self.layers.len()
+    }
+
+    /// Runs the session's next steps with `adapter` (made for a span that
+    /// holds this cache's layers), or without one. Positions cached so far
+    /// are forgotten: they were computed with the previous choice.
+    pub fn set_adapter(&mut self, adapter: Option<SpanAdapter>) {
+        self.adapter = adapter;
+        self.len = 0;
+    }
+
+    pub fn adapter(&self) -> Option<&SpanAdapter> {
+        self.adapter.as_ref()
     }
 
     /// A copy of the keys and values of `positions`, which must be cached.

@@ -8,6 +8,7 @@
 //! Hugging Face folder, a GGUF file (kept quantized) or the layout written
 //! by [`convert::convert`].
 
+pub mod adapter;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
@@ -25,6 +26,7 @@ pub mod gguf_writer;
 pub mod head;
 pub mod kv_cache;
 mod linear;
+mod lora;
 mod mlp;
 #[cfg(feature = "generators")]
 mod model_shape;
@@ -44,6 +46,7 @@ pub mod tensor_names;
 pub mod weight_file;
 pub mod wire;
 
+pub use adapter::AdapterFile;
 pub use checkpoint::{Checkpoint, QuantizedWeights, TokenizerSource};
 pub use config::LlamaConfig;
 pub use dtype::ModelDType;
@@ -51,6 +54,7 @@ pub use error::{ModelError, Result};
 pub use head::ClientHead;
 pub use kv_cache::{CachedPositions, SessionCache};
 pub use linear::KERNELS_ENV;
+pub use lora::SpanAdapter;
 pub use sampler::{Sampler, SamplingParams};
 pub use span::BlockSpan;
 

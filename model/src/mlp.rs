@@ -3,10 +3,12 @@
 
 use candle_core::Tensor;
 
+use crate::adapter::Target;
 use crate::checkpoint::Weights;
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::linear::{Linear, Projections};
+use crate::lora::RowLoras;
 
 /// `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
@@ -33,9 +35,12 @@ impl Mlp {
         })
     }
 
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, loras: &RowLoras) -> Result<Tensor> {
         let [gate, up] = self.gate_up.forward(x)?;
+        let gate = loras.add(Target::Gate, x, gate)?;
+        let up = loras.add(Target::Up, x, up)?;
         let gated = (candle_nn::ops::silu(&gate)? * up)?;
-        self.down_proj.forward(&gated)
+        let down = self.down_proj.forward(&gated)?;
+        loras.add(Target::Down, &gated, down)
     }
 }

@@ -110,6 +110,11 @@ impl Rope {
         })
     }
 
+    /// Which dimensions of a head rotate together.
+    pub fn layout(&self) -> RopeLayout {
+        self.layout
+    }
+
     /// Rotates `x` of shape `[batch, heads, t, head_dim]` whose first
     /// position is `start`.
     pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {

@@ -6,6 +6,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
+use crate::adapter::{AdapterFile, Target};
 use crate::checkpoint::{Checkpoint, Weights};
 use crate::config::LlamaConfig;
 use crate::decode_attention::{self, HeadShape};
@@ -13,6 +14,7 @@ use crate::error::{ModelError, Result};
 use crate::feed_forward::FeedForward;
 use crate::kv_cache::{LayerCache, SessionCache};
 use crate::linear::{Linear, Projections};
+use crate::lora::{RowLoras, SpanAdapter};
 use crate::pool::ComputePool;
 use crate::rope::Rope;
 
@@ -85,10 +87,11 @@ impl Attention {
         rope: &Rope,
         cache: &mut LayerCache,
         mask: Option<&Tensor>,
+        loras: &RowLoras,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let [q, k, v] = self.qkv.forward(x)?;
+        let [q, k, v] = self.projections(x, loras)?;
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
@@ -97,7 +100,22 @@ impl Attention {
         let k = rope.apply(&k, start)?;
         let v = heads(v, nkv)?;
         let out = self.attend(&q, &k, &v, start, cache, mask)?;
-        self.o_proj.forward(&out)
+        self.output(&out, loras)
+    }
+
+    /// Q, K and V of `x`, each with its adapter's change.
+    fn projections(&self, x: &Tensor, loras: &RowLoras) -> Result<[Tensor; 3]> {
+        let [q, k, v] = self.qkv.forward(x)?;
+        Ok([
+            loras.add(Target::Query, x, q)?,
+            loras.add(Target::Key, x, k)?,
+            loras.add(Target::Value, x, v)?,
+        ])
+    }
+
+    fn output(&self, attended: &Tensor, loras: &RowLoras) -> Result<Tensor> {
+        let y = self.o_proj.forward(attended)?;
+        loras.add(Target::Output, attended, y)
     }
 
     /// One decode position for each of several sessions: `x` is `[B, hidden]`,
@@ -110,10 +128,11 @@ impl Attention {
         rotation: &(Tensor, Tensor),
         rope: &Rope,
         caches: &mut [&mut LayerCache],
+        loras: &RowLoras,
     ) -> Result<Tensor> {
         let b = starts.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let [q, k, v] = self.qkv.forward(x)?;
+        let [q, k, v] = self.projections(x, loras)?;
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((b, 1, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
@@ -135,7 +154,7 @@ impl Attention {
                 window: self.window,
             };
             let out = decode_attention::attend(&q, &keys, &values, starts, shape)?;
-            return self.o_proj.forward(&out);
+            return self.output(&out, loras);
         }
         let mut rows = Vec::with_capacity(b);
         for (i, (&start, cache)) in starts.iter().zip(caches.iter_mut()).enumerate() {
@@ -143,7 +162,7 @@ impl Attention {
             rows.push(self.attend(&row(&q)?, &row(&k)?, &row(&v)?, start, cache, None)?);
         }
         let out = Tensor::cat(&rows, 0)?.reshape((b, nh * hd))?;
-        self.o_proj.forward(&out)
+        self.output(&out, loras)
     }
 
     /// Queries and keys (`[b, heads, t, hd]`) through the head norms, where the model has them.
@@ -227,19 +246,21 @@ impl DecoderLayer {
         rope: &Rope,
         cache: &mut LayerCache,
         mask: Option<&Tensor>,
+        loras: &RowLoras,
     ) -> Result<Tensor> {
-        let attn =
-            self.self_attn
-                .forward(&self.input_layernorm.forward(x)?, start, rope, cache, mask)?;
-        self.add_mlp(x, attn)
+        let normed = self.input_layernorm.forward(x)?;
+        let attn = self
+            .self_attn
+            .forward(&normed, start, rope, cache, mask, loras)?;
+        self.add_mlp(x, attn, loras)
     }
 
     /// The residual of attention, then the MLP's.
-    fn add_mlp(&self, x: &Tensor, attn: Tensor) -> Result<Tensor> {
+    fn add_mlp(&self, x: &Tensor, attn: Tensor, loras: &RowLoras) -> Result<Tensor> {
         let x = (x + attn)?;
         let mlp = self
             .mlp
-            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+            .forward(&self.post_attention_layernorm.forward(&x)?, loras)?;
         Ok((x + mlp)?)
     }
 
@@ -251,6 +272,7 @@ impl DecoderLayer {
         rotation: &(Tensor, Tensor),
         rope: &Rope,
         caches: &mut [&mut LayerCache],
+        loras: &RowLoras,
     ) -> Result<Tensor> {
         let attn = self.self_attn.forward_decode_batch(
             &self.input_layernorm.forward(x)?,
@@ -258,8 +280,9 @@ impl DecoderLayer {
             rotation,
             rope,
             caches,
+            loras,
         )?;
-        self.add_mlp(x, attn)
+        self.add_mlp(x, attn, loras)
     }
 }
 
@@ -321,6 +344,19 @@ impl BlockSpan {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// `file`'s layers of this span, ready for sessions to run with
+    /// ([`SessionCache::set_adapter`]).
+    pub fn adapter(&self, file: &AdapterFile) -> Result<SpanAdapter> {
+        SpanAdapter::new(
+            file,
+            &self.config,
+            self.range(),
+            self.rope.layout(),
+            self.dtype,
+            &self.device,
+        )
     }
 
     /// Bytes of KV cache one position costs in this span.
@@ -390,7 +426,15 @@ impl BlockSpan {
             });
         }
         let served = cache.layers();
-        if served.start < self.start || served.end > self.end {
+        let adapted = cache
+            .adapter
+            .as_ref()
+            .map_or(served.clone(), |a| a.layers());
+        if served.start < self.start
+            || served.end > self.end
+            || adapted.start > served.start
+            || adapted.end < served.end
+        {
             return Err(ModelError::LayerRange {
                 start: served.start,
                 end: served.end,
@@ -446,8 +490,12 @@ impl BlockSpan {
             None
         };
         let mut x = hidden.to_dtype(self.dtype)?;
-        for (layer, layer_cache) in self.layers_of(cache).iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(&x, start, &self.rope, layer_cache, mask.as_ref())?;
+        let first = cache.first_layer;
+        let adapter = cache.adapter.clone();
+        let layers = self.layers_of(cache).iter().zip(cache.layers.iter_mut());
+        for (i, (layer, layer_cache)) in layers.enumerate() {
+            let loras = RowLoras::all(adapter.as_ref().and_then(|a| a.layer(first + i)));
+            x = layer.forward(&x, start, &self.rope, layer_cache, mask.as_ref(), &loras)?;
         }
         cache.len = start + t;
         Ok(x)
@@ -489,12 +537,27 @@ impl BlockSpan {
         let starts: Vec<usize> = steps.iter().map(|(_, start, _)| *start).collect();
         let rotation = self.rope.rows_at(&starts)?;
         let layers = self.layers_of(steps[0].2);
+        let first = served.start;
+        let adapters: Vec<Option<SpanAdapter>> =
+            steps.iter().map(|(_, _, c)| c.adapter.clone()).collect();
         for (l, layer) in layers.iter().enumerate() {
+            let rows: Vec<_> = adapters
+                .iter()
+                .map(|a| a.as_ref().and_then(|a| a.layer(first + l)))
+                .collect();
+            let loras = RowLoras::per_row(rows);
             let mut caches: Vec<&mut LayerCache> = steps
                 .iter_mut()
                 .map(|(_, _, cache)| &mut cache.layers[l])
                 .collect();
-            x = layer.forward_decode_batch(&x, &starts, &rotation, &self.rope, &mut caches)?;
+            x = layer.forward_decode_batch(
+                &x,
+                &starts,
+                &rotation,
+                &self.rope,
+                &mut caches,
+                &loras,
+            )?;
         }
         for (_, start, cache) in steps.iter_mut() {
             cache.len = *start + 1;

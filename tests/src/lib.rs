@@ -211,6 +211,30 @@ pub fn generate_local(
     out.generated_ids
 }
 
+/// [`generate_local`] with every span's steps through `adapter`.
+pub fn generate_local_with_adapter(
+    head: &corolla_model::ClientHead,
+    spans: &[corolla_model::BlockSpan],
+    adapter: &corolla_model::AdapterFile,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+) -> Vec<u32> {
+    let request = corolla_client::GenerateRequest {
+        prompt_ids: prompt_ids.to_vec(),
+        max_new_tokens,
+        sampling: corolla_model::SamplingParams::greedy(),
+        stop_at_eos: false,
+        drafts: corolla_client::DEFAULT_DRAFTS,
+    };
+    let mut chain = corolla_client::LocalChain::with_adapter(spans, request.max_length(), adapter)
+        .expect("session caches with the adapter");
+    let out = futures_lite_block_on(corolla_client::generate(head, &mut chain, &request, |_| {
+        std::ops::ControlFlow::Continue(())
+    }))
+    .expect("generation");
+    out.generated_ids
+}
+
 /// Polls a future that never waits (the local chain) to completion.
 fn futures_lite_block_on<F: std::future::Future>(fut: F) -> F::Output {
     use std::task::{Context, Poll, Waker};

@@ -9,6 +9,7 @@
 //!
 //! One area's tests: `cargo test -p corolla-tests --test integration trust::`.
 
+mod adapters;
 mod api;
 mod batch;
 mod default_model;
