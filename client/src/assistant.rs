@@ -382,8 +382,9 @@ impl Blocks {
         let needed = request.max_length().max(1);
         let model_max = head.config().max_position_embeddings;
         let mut reused = common_prefix(&conversation.cached, prompt).min(prompt.len() - 1);
+        let same_adapter = conversation.chain_adapter == conversation.adapter;
         let mut chain = match conversation.chain.take() {
-            Some(chain) if chain.capacity() >= needed => chain,
+            Some(chain) if chain.capacity() >= needed && same_adapter => chain,
             old => {
                 if let Some(old) = old {
                     old.close().await;
@@ -394,7 +395,10 @@ impl Blocks {
                     reserve: conversation.reserve,
                     model_max,
                 };
-                self.open_chain(length, prompt.len()).await?
+                let adapter = conversation.adapter.clone();
+                let chain = self.open_chain(length, prompt.len(), adapter).await?;
+                conversation.chain_adapter = conversation.adapter.clone();
+                chain
             }
         };
         conversation.cached.clear();
@@ -449,14 +453,22 @@ impl Blocks {
     /// A chain with room for `length.needed` positions, and up to
     /// `length.reserve` when the model and the servers allow, whose first
     /// step prefills `prompt_tokens` (routing prefers servers holding shared
-    /// prefixes for long prompts).
-    async fn open_chain(&self, length: Length, prompt_tokens: usize) -> Result<Chain, ClientError> {
+    /// prefixes for long prompts), through servers that run `adapter`.
+    async fn open_chain(
+        &self,
+        length: Length,
+        prompt_tokens: usize,
+        adapter: Option<String>,
+    ) -> Result<Chain, ClientError> {
         let Length {
             needed,
             reserve,
             model_max,
         } = length;
         match &self.place {
+            Place::Local(_) if adapter.is_some() => Err(ClientError::BadRequest(
+                "adapters run on the swarm's servers; a local model runs its base weights".into(),
+            )),
             Place::Local(spans) => Ok(Chain::Local(LocalChain::new(
                 spans,
                 needed.max(reserve.min(model_max)),
@@ -478,6 +490,12 @@ impl Blocks {
                 let mut settings = SessionSettings::clone(sessions);
                 settings.max_length = length;
                 settings.prompt_tokens = prompt_tokens;
+                if adapter.is_some() {
+                    // The client's own blocks run the base weights: as a
+                    // referee they would contradict every honest server.
+                    settings.referee = None;
+                }
+                settings.adapter = adapter;
                 let chain = RemoteChain::connect_via(view, settings, &self.device).await?;
                 Ok(Chain::Remote {
                     chain: Box::new(chain),

@@ -44,6 +44,10 @@ pub struct Conversation {
     pub(crate) chain: Option<Chain>,
     pub(crate) cached: Vec<u32>,
     pub(crate) reserve: usize,
+    /// The LoRA adapter answers run with (`None`: the base weights).
+    pub(crate) adapter: Option<String>,
+    /// The adapter the open chain's sessions run with.
+    pub(crate) chain_adapter: Option<String>,
 }
 
 impl Default for Conversation {
@@ -59,6 +63,8 @@ impl Conversation {
             chain: None,
             cached: Vec::new(),
             reserve: CONVERSATION_LENGTH,
+            adapter: None,
+            chain_adapter: None,
         }
     }
 
@@ -68,6 +74,23 @@ impl Conversation {
             reserve: 0,
             ..Self::new()
         }
+    }
+
+    /// Runs the next answers with the LoRA adapter `name` (servers must
+    /// announce it), or with the base weights. A chain opened with another
+    /// choice is replaced at the next answer.
+    pub fn set_adapter(&mut self, name: Option<String>) {
+        self.adapter = name;
+    }
+
+    /// [`Self::set_adapter`] as a builder.
+    pub fn with_adapter(mut self, name: Option<String>) -> Self {
+        self.set_adapter(name);
+        self
+    }
+
+    pub fn adapter(&self) -> Option<&str> {
+        self.adapter.as_deref()
     }
 
     /// The tokens the open sessions hold, position by position.

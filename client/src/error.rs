@@ -25,6 +25,12 @@ pub enum ClientError {
     BadRequest(String),
     #[error("no server covers blocks {}", format_ranges(.uncovered))]
     NoRoute { uncovered: Vec<(usize, usize)> },
+    /// Servers of the blocks exist, but none runs the adapter asked for.
+    #[error("no server runs adapter {adapter:?} for blocks {}: servers announce the adapters they run (see `corolla status`)", format_ranges(.uncovered))]
+    AdapterNotServed {
+        adapter: String,
+        uncovered: Vec<(usize, usize)>,
+    },
     /// Servers of the blocks exist, but only with the other quantization
     /// than the servers the route already follows.
     #[error(
@@ -68,7 +74,9 @@ impl ClientError {
             ClientError::TooLong { .. } | ClientError::SessionTooLong { .. } => {
                 ErrorKind::ContextLengthExceeded
             }
-            ClientError::NoRoute { .. } => ErrorKind::NoCoverage,
+            ClientError::NoRoute { .. } | ClientError::AdapterNotServed { .. } => {
+                ErrorKind::NoCoverage
+            }
             ClientError::MixedQuantization { .. } => ErrorKind::ModelMismatch,
             ClientError::Refused { cause, .. } => *cause,
             ClientError::NoHonestServer { .. } => ErrorKind::BadServer,
@@ -81,6 +89,7 @@ impl ClientError {
     pub fn uncovered(&self) -> Option<Vec<(usize, usize)>> {
         match self {
             ClientError::NoRoute { uncovered }
+            | ClientError::AdapterNotServed { uncovered, .. }
             | ClientError::MixedQuantization { uncovered, .. }
             | ClientError::Refused { uncovered, .. } => Some(uncovered.clone()),
             ClientError::NoHonestServer { start, end } => Some(vec![(*start, *end)]),

@@ -49,8 +49,12 @@ pub struct SessionSettings {
     /// The share of steps whose output is checked against an independent
     /// witness (0: none, 1: every step).
     pub spot_check: f64,
-    /// The client's own copy of the blocks, for a third opinion.
+    /// The client's own copy of the blocks, for a third opinion (never
+    /// with an adapter: the client's blocks run the base weights).
     pub referee: Option<Referee>,
+    /// The LoRA adapter sessions run with: only servers announcing it are
+    /// routed through, and each session's Open names it.
+    pub adapter: Option<String>,
 }
 
 impl Default for SessionSettings {
@@ -61,6 +65,13 @@ impl Default for SessionSettings {
 }
 
 impl SessionSettings {
+    /// Whether `record`'s server runs sessions with the adapter these ask for.
+    pub fn served_by(&self, record: &corolla_shared::ServerRecord) -> bool {
+        self.adapter
+            .as_ref()
+            .is_none_or(|name| record.adapters.contains(name))
+    }
+
     pub fn new(
         model: impl Into<String>,
         num_layers: usize,
@@ -86,6 +97,7 @@ impl SessionSettings {
             flow_window: 0,
             spot_check: 0.0,
             referee: None,
+            adapter: None,
         }
     }
 }

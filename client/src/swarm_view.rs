@@ -257,18 +257,18 @@ impl SwarmView {
         uncovered_blocks(&self.usable_servers(), num_layers)
     }
 
-    /// The least-latency chain for blocks `from..to` with room for
-    /// `max_length` positions, whose first step prefills `prompt_tokens`.
-    /// Plans from the view first; when that does not cover the blocks,
-    /// looks the swarm up again until `patience` is over.
+    /// The least-latency chain for blocks `from..to` of servers that run
+    /// `session`'s adapter, with room for its `max_length` positions, whose
+    /// first step prefills its `prompt_tokens`. Plans from the view first;
+    /// when that does not cover the blocks, looks the swarm up again until
+    /// its `discovery_timeout` is over.
     pub async fn route(
         &self,
         from: usize,
         to: usize,
-        (max_length, prompt_tokens): (usize, usize),
-        patience: Duration,
+        session: &SessionSettings,
     ) -> Result<Vec<Hop>, ClientError> {
-        let deadline = Instant::now() + patience;
+        let deadline = Instant::now() + session.discovery_timeout;
         let mut just_refreshed = false;
         // Every server of a block having refused is a final answer only
         // once a fresh lookup found no other.
@@ -280,13 +280,13 @@ impl SwarmView {
         }
         loop {
             let costs = RouteCosts {
-                prompt_tokens,
-                ..self.costs(max_length)
+                prompt_tokens: session.prompt_tokens,
+                ..self.costs(session.max_length)
             };
-            match plan_route_between(&self.usable_servers(), from, to, &costs) {
+            match plan_route_between(&self.servers_for(session), from, to, &costs) {
                 Ok(route) => return Ok(route),
                 Err(e) if Instant::now() >= deadline || looked_up && self.all_refused(from, to) => {
-                    return Err(self.explain(e, from, to))
+                    return Err(self.explain(e, from, to, session))
                 }
                 // What the view knows does not do: look the swarm up now.
                 Err(_) if !just_refreshed => {
@@ -302,21 +302,38 @@ impl SwarmView {
         }
     }
 
-    /// A route for `from..to` from what the view knows now, using none of
-    /// `exclude` (spot checks want independent servers).
+    /// A route for `from..to` for `session` from what the view knows now,
+    /// using none of `exclude` (spot checks want independent servers).
     pub fn plan_excluding(
         &self,
         from: usize,
         to: usize,
-        max_length: usize,
+        session: &SessionSettings,
         exclude: &HashSet<String>,
     ) -> Option<Vec<Hop>> {
         let servers: Vec<ServerRecord> = self
-            .usable_servers()
+            .servers_for(session)
             .into_iter()
             .filter(|r| !exclude.contains(&r.peer_id))
             .collect();
-        plan_route_between(&servers, from, to, &self.costs(max_length)).ok()
+        plan_route_between(&servers, from, to, &self.costs(session.max_length)).ok()
+    }
+
+    /// The usable servers that run `session`'s adapter.
+    fn servers_for(&self, session: &SessionSettings) -> Vec<ServerRecord> {
+        let mut servers = self.usable_servers();
+        servers.retain(|r| session.served_by(r));
+        servers
+    }
+
+    /// Adapters usable servers announce, each once, in order.
+    pub fn adapters(&self) -> Vec<String> {
+        let names: std::collections::BTreeSet<String> = self
+            .usable_servers()
+            .into_iter()
+            .flat_map(|r| r.adapters)
+            .collect();
+        names.into_iter().collect()
     }
 
     /// What the router knows now: round trips and measured step times.
@@ -405,7 +422,23 @@ impl SwarmView {
 
     /// `error` with the last refusal of each server that could have served
     /// `from..to`: "busy: 16/16 sessions", "max_length 300 exceeds 256", ….
-    fn explain(&self, error: ClientError, from: usize, to: usize) -> ClientError {
+    fn explain(
+        &self,
+        error: ClientError,
+        from: usize,
+        to: usize,
+        session: &SessionSettings,
+    ) -> ClientError {
+        if let (ClientError::NoRoute { uncovered }, Some(adapter)) = (&error, &session.adapter) {
+            // Servers without the adapter would have covered the gap.
+            let plain = uncovered_blocks(&self.usable_servers(), to);
+            if plain.iter().all(|&(a, b)| b <= from || a >= to) {
+                return ClientError::AdapterNotServed {
+                    adapter: adapter.clone(),
+                    uncovered: uncovered.clone(),
+                };
+            }
+        }
         let state = self.state();
         let mut failures: Vec<(ErrorKind, String)> = state
             .records

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use corolla_model::{BlockSpan, ModelError, SessionCache, Tensor};
+use corolla_model::{BlockSpan, ModelError, SessionCache, SpanAdapter, Tensor};
 use tokio::sync::oneshot;
 
 use crate::admission::CacheBudget;
@@ -96,9 +96,16 @@ struct SessionId(u64);
 type StepReply = oneshot::Sender<Result<Tensor, ComputeError>>;
 
 enum Job {
-    Open { id: SessionId, cache: SessionCache },
+    Open {
+        id: SessionId,
+        cache: SessionCache,
+        /// The name of the adapter the cache runs with.
+        adapter: Option<String>,
+    },
     Step(StepJob),
-    Close { id: SessionId },
+    Close {
+        id: SessionId,
+    },
 }
 
 struct StepJob {
@@ -185,21 +192,32 @@ impl ComputeCore {
         figures
     }
 
-    /// Allocates a cache for `layers` and `max_length` positions (off the
-    /// async threads, and off the core's, so no batch waits for it) and
-    /// hands it to the core.
+    /// Allocates a cache for `layers` and `max_length` positions whose
+    /// steps run with `adapter` (a name and its matrices), off the async
+    /// threads, and off the core's, so no batch waits for it, and hands it
+    /// to the core.
     pub async fn open(
         &self,
         layers: Range<usize>,
         max_length: usize,
+        adapter: Option<(String, SpanAdapter)>,
     ) -> Result<CacheLease, ComputeError> {
         let span = self.span.clone();
-        let cache = tokio::task::spawn_blocking(move || span.new_cache_for(layers, max_length))
-            .await
-            .map_err(|_| ComputeError::Lost("the cache allocation failed"))??;
+        let (name, adapter) = adapter.unzip();
+        let cache = tokio::task::spawn_blocking(move || {
+            let mut cache = span.new_cache_for(layers, max_length)?;
+            cache.set_adapter(adapter);
+            Ok::<_, ModelError>(cache)
+        })
+        .await
+        .map_err(|_| ComputeError::Lost("the cache allocation failed"))??;
         let id = SessionId(self.next_id.fetch_add(1, Ordering::Relaxed));
         self.jobs
-            .send(Job::Open { id, cache })
+            .send(Job::Open {
+                id,
+                cache,
+                adapter: name,
+            })
             .map_err(|_| ComputeError::Lost("the compute core has stopped"))?;
         Ok(CacheLease {
             id,
@@ -312,9 +330,10 @@ impl Scheduler {
 
     fn take(&mut self, job: Job) {
         match job {
-            Job::Open { id, cache } => {
+            Job::Open { id, cache, adapter } => {
                 if self.prefixes.is_some() {
-                    let history = InputHistory::new(cache.layers(), self.span.dtype());
+                    let history =
+                        InputHistory::new(cache.layers(), self.span.dtype(), adapter.as_deref());
                     self.histories.insert(id, history);
                 }
                 self.caches.insert(id, cache);

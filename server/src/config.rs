@@ -264,6 +264,14 @@ pub struct ServerArgs {
     /// whether another client sent the same beginning lately.
     #[arg(long, env = "COROLLA_NO_SHARED_PREFIXES")]
     pub no_shared_prefixes: bool,
+    /// A LoRA adapter sessions may run with, as NAME=PATH: PATH a PEFT
+    /// folder (adapter_config.json, adapter_model.safetensors) or a GGUF
+    /// adapter; NAME what clients ask for (`corolla --adapter NAME`), best a
+    /// hub id such as user/name. Repeat the flag (or separate with commas)
+    /// for more; every server of the model that offers NAME must load the
+    /// same adapter.
+    #[arg(long = "adapter", env = "COROLLA_ADAPTERS", value_delimiter = ',')]
+    pub adapters: Vec<crate::adapters::AdapterArg>,
     /// KV-cache positions all sessions share; a session reserves its
     /// max_length when it opens (default: what --max-sessions sessions of
     /// --inference-max-length need, at most half the memory available).

@@ -12,6 +12,12 @@ use libp2p::Multiaddr;
 pub enum ServerError {
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error("adapter {name:?}: {source}")]
+    Adapter {
+        name: String,
+        #[source]
+        source: ModelError,
+    },
     #[error("identity: {0}")]
     Identity(String),
     /// Flags that contradict each other, or that this machine cannot serve.
@@ -64,6 +70,7 @@ impl ServerError {
     pub fn kind(&self) -> &'static str {
         match self {
             ServerError::Model(_) => "model",
+            ServerError::Adapter { .. } => "adapter",
             ServerError::Identity(_) => "identity",
             ServerError::BadArgs(_) | ServerError::InitialPeer(_) => "bad_args",
             ServerError::NoSuchModel(_) => "no_such_model",

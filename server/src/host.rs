@@ -14,6 +14,7 @@ use corolla_shared::node::{Announcement, LiveFigures};
 use corolla_shared::ServerRecord;
 use tokio::sync::watch;
 
+use crate::adapters::{AdapterFiles, ServedAdapters};
 use crate::compute::ComputeCore;
 use crate::error::ServerError;
 use crate::host_settings::HostSettings;
@@ -29,6 +30,7 @@ pub(crate) struct SpanLoader {
     pub dtype: DType,
     pub device: Device,
     pub step_delay: Duration,
+    pub adapters: Arc<AdapterFiles>,
 }
 
 /// A span loaded and measured, ready to serve.
@@ -38,6 +40,8 @@ pub(crate) struct LoadedSpan {
     /// The whole model's fingerprint, when this server can know it.
     pub fingerprint: String,
     pub block_hashes: Vec<String>,
+    /// The `--adapter`s on this span.
+    pub adapters: ServedAdapters,
 }
 
 impl SpanLoader {
@@ -52,12 +56,15 @@ impl SpanLoader {
             // a server that downloaded only its blocks announces none.
             let fingerprint = fingerprint(ck).unwrap_or_default();
             let span = BlockSpan::load(ck, start, end, loader.dtype, &loader.device)?;
+            let adapters = loader.adapters.for_span(&span)?;
             let throughput = measure(&span, loader.step_delay)?;
             tracing::info!(
                 start,
                 end,
                 decode = throughput.decode,
                 prefill = throughput.prefill,
+                adapters = adapters.names().len(),
+                adapter_bytes = adapters.bytes(),
                 "blocks loaded; measured tokens per second"
             );
             Ok(LoadedSpan {
@@ -65,6 +72,7 @@ impl SpanLoader {
                 throughput,
                 fingerprint,
                 block_hashes: hashes,
+                adapters,
             })
         })
         .await
@@ -102,6 +110,7 @@ impl HostSettings {
             throughput: loaded.throughput.decode,
             prefill_throughput: loaded.throughput.prefill,
             dtype: format!("{:?}", loaded.span.dtype()).to_lowercase(),
+            adapters: loaded.adapters.names(),
             leaving: false,
             ..self.template.clone()
         };
@@ -116,6 +125,7 @@ impl HostSettings {
         let ctx = SessionContext {
             core,
             block_hashes: loaded.block_hashes,
+            adapters: loaded.adapters,
             settings: self.clone(),
             shutdown,
             record: Mutex::new(record),

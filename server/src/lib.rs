@@ -6,6 +6,7 @@
 //! a thin `main` over [`run_cli`]; tests start servers in-process with
 //! [`Server::start`].
 
+pub mod adapters;
 mod admission;
 mod cli;
 mod compute;

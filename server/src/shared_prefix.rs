@@ -39,7 +39,8 @@ pub(crate) struct PageKey([u8; 32]);
 /// full pages.
 #[derive(Debug)]
 pub(crate) struct InputHistory {
-    /// Names the layers and dtype: pages of other layers never match.
+    /// Names the layers, dtype and adapter: pages of other layers, or
+    /// computed with another adapter, never match.
     root: PageKey,
     rows: Vec<[u8; 32]>,
     /// Keys of the pages `rows` completes, in order.
@@ -47,12 +48,18 @@ pub(crate) struct InputHistory {
 }
 
 impl InputHistory {
-    pub fn new(layers: Range<usize>, dtype: DType) -> Self {
+    pub fn new(layers: Range<usize>, dtype: DType, adapter: Option<&str>) -> Self {
         let mut h = Sha256::new();
         h.update(b"corolla shared prefix v1");
         h.update((layers.start as u64).to_le_bytes());
         h.update((layers.end as u64).to_le_bytes());
         h.update(dtype.as_str().as_bytes());
+        if let Some(adapter) = adapter {
+            // Length first: no name runs into the fields after it.
+            h.update(b"adapter");
+            h.update((adapter.len() as u64).to_le_bytes());
+            h.update(adapter.as_bytes());
+        }
         InputHistory {
             root: PageKey(h.finalize().into()),
             rows: Vec::new(),
@@ -293,11 +300,11 @@ mod tests {
 
     #[test]
     fn page_keys_follow_the_inputs_from_the_first_position() {
-        let mut a = InputHistory::new(0..4, DType::F32);
+        let mut a = InputHistory::new(0..4, DType::F32, None);
         a.record(0, &input(130, 0.0)).unwrap();
         assert!(a.page(1).is_some() && a.page(2).is_none());
         // The same inputs in other steps give the same keys.
-        let mut b = InputHistory::new(0..4, DType::F32);
+        let mut b = InputHistory::new(0..4, DType::F32, None);
         let whole = input(130, 0.0);
         b.record(0, &whole.narrow(1, 0, 10).unwrap()).unwrap();
         for p in 10..130 {
@@ -306,13 +313,22 @@ mod tests {
         assert_eq!(a.page(0), b.page(0));
         assert_eq!(a.page(1), b.page(1));
         // Another first page changes every later key; other layers match nothing.
-        let mut c = InputHistory::new(0..4, DType::F32);
+        let mut c = InputHistory::new(0..4, DType::F32, None);
         c.record(0, &input(130, 1.0)).unwrap();
         c.record(64, &whole.narrow(1, 64, 66).unwrap()).unwrap();
         assert_ne!(a.page(1), c.page(1));
-        let mut d = InputHistory::new(0..3, DType::F32);
+        let mut d = InputHistory::new(0..3, DType::F32, None);
         d.record(0, &whole).unwrap();
         assert_ne!(a.page(0), d.page(0));
+        // Pages computed with an adapter are the adapter's alone.
+        for adapter in ["alpha", "beta"] {
+            let mut e = InputHistory::new(0..4, DType::F32, Some(adapter));
+            e.record(0, &whole).unwrap();
+            assert_ne!(a.page(0), e.page(0), "{adapter}");
+            let mut f = InputHistory::new(0..4, DType::F32, Some("alpha"));
+            f.record(0, &whole).unwrap();
+            assert_eq!(e.page(0) == f.page(0), adapter == "alpha");
+        }
         // A rewind forgets the pages past it.
         a.record(70, &input(1, 9.0)).unwrap();
         assert!(a.page(0).is_some() && a.page(1).is_none());

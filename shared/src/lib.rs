@@ -7,6 +7,7 @@
 //! tokio so that it builds for every target, wasm32 included.
 
 #[cfg(feature = "native")]
+pub mod adapter_name;
 pub mod addr_file;
 pub mod address_limits;
 pub mod behaviour;

@@ -31,6 +31,7 @@
 
 use libp2p::StreamProtocol;
 
+use crate::adapter_name::MAX_ADAPTER_NAME_LEN;
 use crate::limits::Limits;
 use crate::push_proof::{PushProof, MAX_SIGNATURE_LEN};
 pub use crate::session_token::SessionToken;
@@ -114,6 +115,10 @@ pub struct OpenRequest {
     /// The one server this session may push its outputs to: the next of
     /// the client's route. `None`: the session never pushes.
     pub next: Option<libp2p::PeerId>,
+    /// The LoRA adapter the session's steps run with (a name the server
+    /// announces); `None`: the base weights. Written last and only when
+    /// set, so an Open without one reads as before.
+    pub adapter: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -267,6 +272,9 @@ impl Request<'_> {
                 out.push(o.compression.code());
                 out.extend_from_slice(&o.flow_window.to_le_bytes());
                 put_optional_peer(&mut out, o.next.as_ref());
+                if let Some(adapter) = &o.adapter {
+                    put_str(&mut out, adapter, MAX_ADAPTER_NAME_LEN);
+                }
             }
             Request::Step { header, hidden } => {
                 out.push(tag::STEP);
@@ -415,6 +423,7 @@ impl<'a> Request<'a> {
                 compression: Compression::from_code(r.u8()?)?,
                 flow_window: r.u32()?,
                 next: r.optional_peer_id()?,
+                adapter: r.trailing_string(MAX_ADAPTER_NAME_LEN)?,
             }),
             tag::STEP => Request::Step {
                 header: r.header()?,

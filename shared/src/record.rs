@@ -40,6 +40,10 @@ pub struct ServerRecord {
     /// (reused by any session that starts with the same inputs).
     #[serde(default)]
     pub prefix_tokens: u64,
+    /// Names of the LoRA adapters a session may run with here (see
+    /// [`crate::adapter_name`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
     pub max_length: u32,
     pub sessions: u32,
     pub max_sessions: u32,

@@ -51,6 +51,9 @@ pub struct ServerRow {
     pub version: String,
     pub addresses: Vec<String>,
     pub dtype: String,
+    /// The LoRA adapters sessions may run with there.
+    #[serde(default)]
+    pub adapters: Vec<String>,
 }
 
 impl SwarmReport {
@@ -80,6 +83,7 @@ impl SwarmReport {
                 version: r.version.clone(),
                 addresses: r.addresses.clone(),
                 dtype: r.dtype.clone(),
+                adapters: r.adapters.clone(),
             })
             .collect();
         servers.sort_by(|a, b| (a.start, a.end, &a.peer_id).cmp(&(b.start, b.end, &b.peer_id)));
@@ -108,6 +112,35 @@ impl SwarmReport {
 
     /// The report as a terminal shows it: a coverage bar, the gaps, and a
     /// table of servers.
+    /// For each adapter servers announce: whether its servers cover every block.
+    pub fn adapter_lines(&self) -> Vec<String> {
+        let names: std::collections::BTreeSet<&str> = self
+            .servers
+            .iter()
+            .flat_map(|s| s.adapters.iter().map(String::as_str))
+            .collect();
+        names
+            .into_iter()
+            .map(|name| {
+                let servers = self
+                    .servers
+                    .iter()
+                    .filter(|s| s.adapters.iter().any(|a| a == name));
+                let blocks = coverage::per_block(
+                    self.num_layers,
+                    servers.map(|s| (s.start, s.end, s.throughput)),
+                );
+                let gaps = coverage::gaps(&blocks);
+                if gaps.is_empty() {
+                    format!("adapter {name}: every block served")
+                } else {
+                    let gaps: Vec<String> = gaps.iter().map(|(a, b)| format!("{a}..{b}")).collect();
+                    format!("adapter {name}: blocks {} not served", gaps.join(", "))
+                }
+            })
+            .collect()
+    }
+
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         let state = if self.complete {
@@ -158,6 +191,9 @@ impl SwarmReport {
                 weakest.servers,
                 plural(weakest.servers)
             );
+        }
+        for line in self.adapter_lines() {
+            let _ = writeln!(out, "{line}");
         }
         if self.servers.is_empty() {
             let _ = writeln!(out, "no servers found");

@@ -72,6 +72,7 @@ async fn four_mib_each_way_over_webrtc_direct() {
         compression: corolla_shared::Compression::None,
         flow_window,
         next: None,
+        adapter: None,
     };
 
     // ICE sometimes times out on a dial (~1 in 6 here), and once it has, a

@@ -61,7 +61,7 @@ fn is_busy(e: &ClientError) -> bool {
 pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSender<Progress>) {
     let assistant = &state.assistant;
     let started = Instant::now();
-    let mut conversation = state.take_conversation(&job.request.prompt_ids);
+    let mut conversation = state.take_conversation(&job.request.prompt_ids, job.adapter.as_deref());
     let mut text = TextStream::default();
     let mut stops = StopSequences::new(job.stops);
     let mut first_token = true;
@@ -220,7 +220,7 @@ pub(super) async fn respond(
     kind: Kind,
     job: Job,
 ) -> Result<Response, ApiError> {
-    check_coverage(&state).await?;
+    check_coverage(&state, job.adapter.as_deref()).await?;
     let permit =
         state.permits.clone().acquire_owned().await.map_err(|_| {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the API is shutting down")

@@ -21,6 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use corolla_http::{serve_bounded, HttpLimits};
+use corolla_shared::adapter_name::check_adapter_name;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, Semaphore};
 
@@ -150,19 +151,20 @@ struct ApiState {
 }
 
 impl ApiState {
-    /// The kept conversation sharing the longest prefix with `prompt`
-    /// (at least half of what it holds), else a new one.
-    fn take_conversation(&self, prompt: &[u32]) -> Conversation {
+    /// The kept conversation with `adapter` sharing the longest prefix
+    /// with `prompt` (at least half of what it holds), else a new one.
+    fn take_conversation(&self, prompt: &[u32], adapter: Option<&str>) -> Conversation {
         let mut kept = lock(&self.kept);
         let best = kept
             .iter()
             .enumerate()
+            .filter(|(_, c)| c.adapter() == adapter)
             .map(|(i, c)| (common_prefix(c.cached_tokens(), prompt), i))
             .filter(|&(shared, i)| shared > 0 && 2 * shared >= kept[i].cached_tokens().len())
             .max();
         match best {
             Some((_, i)) => kept.remove(i),
-            None => Conversation::new(),
+            None => Conversation::new().with_adapter(adapter.map(str::to_owned)),
         }
     }
 
@@ -215,9 +217,26 @@ fn model_object(id: &str) -> Value {
     json!({"id": id, "object": "model", "created": 0, "owned_by": "corolla"})
 }
 
+/// The model, and the model with each adapter the swarm's servers
+/// announce (`model:adapter`).
 async fn list_models(State(state): State<Arc<ApiState>>) -> Json<Value> {
     state.metrics.request("models");
-    Json(json!({"object": "list", "data": [model_object(state.assistant.model())]}))
+    let model = state.assistant.model();
+    let adapters = match state.assistant.swarm_view() {
+        Some(view) => {
+            view.ensure_fresh().await;
+            view.adapters()
+        }
+        None => Vec::new(),
+    };
+    let data: Vec<Value> = std::iter::once(model_object(model))
+        .chain(
+            adapters
+                .iter()
+                .map(|a| model_object(&format!("{model}:{a}"))),
+        )
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn get_model(
@@ -229,27 +248,35 @@ async fn get_model(
     Ok(Json(model_object(&id)))
 }
 
-fn check_model(state: &ApiState, model: &str) -> Result<(), ApiError> {
+/// The adapter `model` asks for: none for the model's own name, `adapter`
+/// for `model:adapter`.
+fn check_model(state: &ApiState, model: &str) -> Result<Option<String>, ApiError> {
     let ours = state.assistant.model();
-    if model != ours {
-        let e = ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("the model {model:?} does not exist; this API serves {ours:?}"),
-        )
-        .with_code("model_not_found");
-        return Err(e);
+    if model == ours {
+        return Ok(None);
     }
-    Ok(())
+    match model.rsplit_once(':') {
+        Some((base, adapter)) if base == ours && check_adapter_name(adapter).is_ok() => {
+            Ok(Some(adapter.to_string()))
+        }
+        _ => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "the model {model:?} does not exist; this API serves {ours:?}, and {ours:?}:ADAPTER for the adapters GET /v1/models lists"
+            ),
+        )
+        .with_code("model_not_found")),
+    }
 }
 
 async fn chat_completions(State(state): State<Arc<ApiState>>, body: Body) -> Response {
     state.metrics.request("chat_completions");
     let result = async {
         let request: ChatRequest = parse_body(&state, body).await?;
-        check_model(&state, &request.common.model)?;
+        let adapter = check_model(&state, &request.common.model)?;
         let messages = chat_messages(request.messages)?;
         let prompt_ids = state.assistant.chat_prompt(&messages)?;
-        let job = job(&state, request.common, prompt_ids)?;
+        let job = job(&state, request.common, adapter, prompt_ids)?;
         respond(state.clone(), Kind::Chat, job).await
     }
     .await;
@@ -260,7 +287,7 @@ async fn completions(State(state): State<Arc<ApiState>>, body: Body) -> Response
     state.metrics.request("completions");
     let result = async {
         let request: CompletionRequest = parse_body(&state, body).await?;
-        check_model(&state, &request.common.model)?;
+        let adapter = check_model(&state, &request.common.model)?;
         let prompt = match request.prompt {
             PromptField::One(p) => p,
             PromptField::Many(mut v) if v.len() == 1 => v.remove(0),
@@ -269,7 +296,7 @@ async fn completions(State(state): State<Arc<ApiState>>, body: Body) -> Response
             }
         };
         let prompt_ids = state.assistant.tokenizer().encode(&prompt)?;
-        let job = job(&state, request.common, prompt_ids)?;
+        let job = job(&state, request.common, adapter, prompt_ids)?;
         respond(state.clone(), Kind::Completion, job).await
     }
     .await;

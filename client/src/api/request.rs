@@ -153,7 +153,10 @@ pub(super) struct Job {
     pub(super) stops: Vec<String>,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+    /// As the request named it (`model`, or `model:adapter`).
     pub(super) model: String,
+    /// The LoRA adapter the model's name asked for.
+    pub(super) adapter: Option<String>,
 }
 
 /// Seeds for requests that name none: distinct per request.
@@ -170,7 +173,12 @@ pub(super) fn fresh_seed() -> u64 {
     z ^ (z >> 31)
 }
 
-pub(super) fn job(state: &ApiState, common: Common, prompt_ids: Vec<u32>) -> Result<Job, ApiError> {
+pub(super) fn job(
+    state: &ApiState,
+    common: Common,
+    adapter: Option<String>,
+    prompt_ids: Vec<u32>,
+) -> Result<Job, ApiError> {
     if let Some(n) = common.n {
         if n != 1 {
             return Err(ApiError::bad_request(format!("n must be 1, not {n}")));
@@ -238,15 +246,36 @@ pub(super) fn job(state: &ApiState, common: Common, prompt_ids: Vec<u32>) -> Res
         stream: common.stream,
         include_usage: common.stream_options.unwrap_or_default().include_usage,
         model: common.model,
+        adapter,
     })
 }
 
 /// Fails fast with 503 when the swarm leaves blocks uncovered, instead of
-/// waiting out the discovery timeout.
-pub(super) async fn check_coverage(state: &ApiState) -> Result<(), ApiError> {
+/// waiting out the discovery timeout; with 404 when no server announces
+/// the adapter asked for.
+pub(super) async fn check_coverage(
+    state: &ApiState,
+    adapter: Option<&str>,
+) -> Result<(), ApiError> {
     let Some(view) = state.assistant.swarm_view() else {
         return Ok(());
     };
+    if let Some(adapter) = adapter {
+        view.ensure_fresh().await;
+        if !view.adapters().iter().any(|a| a == adapter) {
+            view.refresh().await;
+        }
+        if !view.adapters().iter().any(|a| a == adapter) {
+            let e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no server of the swarm runs adapter {adapter:?}; GET /v1/models lists those that do"
+                ),
+            )
+            .with_code("model_not_found");
+            return Err(e);
+        }
+    }
     let layers = state.assistant.head().config().num_hidden_layers;
     view.ensure_fresh().await;
     if view.uncovered(layers).is_empty() {

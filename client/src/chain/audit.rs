@@ -211,10 +211,7 @@ impl RemoteChain {
         role: Role,
     ) -> Option<Witness> {
         let (from, to) = (self.hops[index].start, self.hops[index].end);
-        if let Some(route) = self
-            .view
-            .plan_excluding(from, to, self.settings.max_length, exclude)
-        {
+        if let Some(route) = self.view.plan_excluding(from, to, &self.settings, exclude) {
             match self.open_all(&route, None).await {
                 Ok(sessions) => {
                     return Some(Witness::Servers(route.into_iter().zip(sessions).collect()))

@@ -234,15 +234,7 @@ impl RemoteChain {
 
     // `&mut self` for the same reason as `open`.
     async fn find_route(&mut self, from: usize, to: usize) -> Result<Vec<Hop>, ClientError> {
-        let s = &self.settings;
-        self.view
-            .route(
-                from,
-                to,
-                (s.max_length, s.prompt_tokens),
-                s.discovery_timeout,
-            )
-            .await
+        self.view.route(from, to, &self.settings).await
     }
 
     // `&mut self`: a shared borrow held across an await would need the chain to be Sync.
@@ -263,6 +255,7 @@ impl RemoteChain {
             compression: self.settings.compression,
             flow_window: self.settings.flow_window,
             next,
+            adapter: self.settings.adapter.clone(),
         };
         // A failure here is the session's to report, with its own error.
         if let Ok(via) = self.view.node().prefer_direct(peer, HOLE_PUNCH_WAIT).await {

@@ -55,7 +55,7 @@ impl RemoteChain {
             let exclude = HashSet::from([hop.peer_id.clone()]);
             let others = self
                 .view
-                .plan_excluding(hop.start, hop.end, max_length, &exclude)?;
+                .plan_excluding(hop.start, hop.end, &self.settings, &exclude)?;
             let deadline =
                 (self.view.expected_seconds(&others, max_length) * SLOW_FACTOR).max(SLOW_MARGIN);
             (measured > deadline).then(|| SessionError::Timeout {

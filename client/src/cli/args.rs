@@ -70,6 +70,12 @@ pub(crate) struct SwarmArgs {
     pub no_push: bool,
 }
 
+pub(super) fn parse_adapter_name(s: &str) -> Result<String, String> {
+    corolla_shared::adapter_name::check_adapter_name(s)
+        .map(str::to_owned)
+        .map_err(|e| e.to_string())
+}
+
 pub(super) fn parse_compression(s: &str) -> Result<Compression, String> {
     match s.to_ascii_lowercase().as_str() {
         "none" => Ok(Compression::None),

@@ -39,6 +39,10 @@ struct ChatOptions {
     /// Longest answer, in tokens.
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
+    /// Answer with this LoRA adapter, which the swarm's servers announce
+    /// (`corolla status` lists them); only servers running it are used.
+    #[arg(long, value_parser = super::args::parse_adapter_name)]
+    adapter: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
 }
@@ -203,7 +207,7 @@ fn chat_loop(
     } = signals;
     rt.block_on(async {
         // One conversation for the whole chat: each turn sends only its new tokens.
-        let mut conversation = Conversation::new();
+        let mut conversation = Conversation::new().with_adapter(opts.adapter.clone());
         let mut last_answer = Instant::now();
         let mut messages: Vec<ChatMessage> = opts
             .system

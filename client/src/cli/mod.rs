@@ -147,6 +147,10 @@ struct GenerateArgs {
     system: Option<String>,
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
+    /// Answer with this LoRA adapter, which the swarm's servers announce
+    /// (`corolla status` lists them); only servers running it are used.
+    #[arg(long, value_parser = args::parse_adapter_name, conflicts_with = "local")]
+    adapter: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Keep generating past end-of-sequence tokens.
@@ -390,7 +394,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         ControlFlow::Continue(())
     };
-    let mut conversation = Conversation::one_shot();
+    let mut conversation = Conversation::one_shot().with_adapter(args.adapter.clone());
     let answer = rt.block_on(assistant.answer(&mut conversation, &request, on_token))?;
     rt.block_on(conversation.close());
     let Answer {

@@ -18,6 +18,7 @@ use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::adapters::ServedAdapters;
 use crate::admission::Reservation;
 use crate::compute::{CacheLease, ComputeCore};
 use crate::host_settings::HostSettings;
@@ -42,6 +43,8 @@ pub(crate) struct SessionContext {
     pub core: ComputeCore,
     /// Hashes of the span's blocks, in order.
     pub block_hashes: Vec<String>,
+    /// The adapters a session may choose.
+    pub adapters: ServedAdapters,
     /// What every span's sessions share (limits, deadlines, quotas, pushes).
     pub settings: Arc<HostSettings>,
     /// Becomes `true` when the server leaves: open sessions are told so.

@@ -52,6 +52,26 @@ pub(super) async fn open_session(
             ));
         }
     }
+    let adapter = match &open.adapter {
+        None => None,
+        Some(name) => match ctx.adapters.get(name) {
+            Some(adapter) => Some((name.clone(), adapter.clone())),
+            None => {
+                let served = ctx.adapters.names();
+                return Err((
+                    ErrorCode::WrongModel,
+                    format!(
+                        "this server does not run adapter {name:?} (it runs: {})",
+                        if served.is_empty() {
+                            "none".to_string()
+                        } else {
+                            served.join(", ")
+                        }
+                    ),
+                ));
+            }
+        },
+    };
     if open.next == Some(ctx.settings.peer_id) {
         return Err((
             ErrorCode::BadFrame,
@@ -108,7 +128,7 @@ pub(super) async fn open_session(
     slot.holds(max_length);
     let cache = ctx
         .core
-        .open(start..end, max_length)
+        .open(start..end, max_length, adapter)
         .await
         .map_err(|e| (ErrorCode::TooLong, e.to_string()))?;
     ctx.settings.metrics.session_opened(peer, start..end);

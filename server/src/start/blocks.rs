@@ -9,6 +9,7 @@ use corolla_model::fingerprint::default_model_name;
 use corolla_model::{Checkpoint, Device, LlamaConfig, ModelError};
 use corolla_shared::node::NodeHandle;
 
+use crate::adapters::AdapterFiles;
 use crate::config::{DeviceArg, NumBlocks, ServerArgs};
 use crate::error::ServerError;
 use crate::host::SpanLoader;
@@ -23,6 +24,8 @@ pub(super) struct OpenedModel {
     pub device: Device,
     /// The name announced in the DHT.
     pub name: String,
+    /// `--adapter`s, read once for every span the server will host.
+    pub adapters: Arc<AdapterFiles>,
 }
 
 impl OpenedModel {
@@ -40,6 +43,10 @@ impl OpenedModel {
         let checkpoint =
             Arc::new(Checkpoint::open(source.dir())?.with_quantized_weights(args.quantized));
         let config = checkpoint.config().clone();
+        let adapter_args = args.adapters.clone();
+        let adapters = tokio::task::spawn_blocking(move || AdapterFiles::read(&adapter_args))
+            .await
+            .map_err(ServerError::Task)??;
         let name = args
             .model_name
             .clone()
@@ -51,6 +58,7 @@ impl OpenedModel {
             config,
             device,
             name,
+            adapters: Arc::new(adapters),
         })
     }
 
@@ -62,6 +70,7 @@ impl OpenedModel {
             dtype: args.dtype.resolve(&self.config, &self.device),
             device: self.device.clone(),
             step_delay: Duration::from_millis(args.step_delay_ms),
+            adapters: self.adapters.clone(),
         }
     }
 

@@ -127,6 +127,7 @@ fn record_template(
         prefill_throughput: 0.0,
         cache_tokens_left: 0,
         prefix_tokens: 0,
+        adapters: Vec::new(),
         max_length: u32::try_from(max_length).unwrap_or(u32::MAX),
         sessions: 0,
         max_sessions: args.max_sessions as u32,

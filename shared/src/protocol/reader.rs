@@ -51,6 +51,15 @@ impl<'a> Reader<'a> {
         String::from_utf8(bytes.to_vec()).map_err(|_| ProtocolError::BadUtf8)
     }
 
+    /// A string if any bytes are left, else `None`: a field added at the
+    /// end of a message that older senders do not write.
+    pub(super) fn trailing_string(&mut self, max: usize) -> Result<Option<String>, ProtocolError> {
+        match self.buf.is_empty() {
+            true => Ok(None),
+            false => self.string(max).map(Some),
+        }
+    }
+
     pub(super) fn token(&mut self) -> Result<SessionToken, ProtocolError> {
         let mut token = [0u8; 16];
         token.copy_from_slice(self.take(16)?);

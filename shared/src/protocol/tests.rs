@@ -18,7 +18,29 @@ fn open() -> OpenRequest {
                 .unwrap()
                 .public(),
         )),
+        adapter: None,
     }
+}
+
+#[test]
+fn an_open_names_its_adapter_and_one_without_reads_as_before() {
+    let with = OpenRequest {
+        adapter: Some("user/sql-lora".into()),
+        ..open()
+    };
+    let limits = Limits::DEFAULT;
+    for o in [open(), with] {
+        let bytes = Request::Open(o.clone()).encode();
+        assert_eq!(Request::decode(&bytes, &limits).unwrap(), Request::Open(o));
+    }
+    // A name longer than any adapter's is refused before it is read.
+    let mut long = Request::Open(open()).encode();
+    long.extend_from_slice(&(MAX_ADAPTER_NAME_LEN as u16 + 1).to_le_bytes());
+    long.extend(std::iter::repeat_n(b'a', MAX_ADAPTER_NAME_LEN + 1));
+    assert!(matches!(
+        Request::decode(&long, &limits),
+        Err(ProtocolError::StringTooLong { .. })
+    ));
 }
 
 fn proof() -> PushProof {

@@ -181,3 +181,117 @@ fn adapters_that_do_not_fit_are_refused() {
         .to_string();
     assert!(err.contains("adapter_config.json"), "{err}");
 }
+
+mod through_the_swarm {
+    //! Servers announce the adapters they load (PEFT folders and a GGUF
+    //! adapter under one name), clients pick one per session, and the tokens
+    //! are transformers + PEFT's.
+
+    use corolla_tests::{corolla_bin, fixtures_dir, start_model_server};
+
+    use serde_json::Value;
+
+    async fn generate(peers: &str, adapter: Option<&str>, prompt: &str) -> std::process::Output {
+        let model = fixtures_dir().join("families/llama3");
+        let mut cmd = tokio::process::Command::new(corolla_bin());
+        cmd.args(["generate", "--model", model.to_str().unwrap(), "--json"])
+            .args(["--max-new-tokens", "24", "--ignore-eos", "--initial-peers", peers])
+            .args(["--discovery-timeout", "5", "--prompt", prompt])
+            .env("RUST_LOG", "warn");
+        if let Some(adapter) = adapter {
+            cmd.args(["--adapter", adapter]);
+        }
+        cmd.output().await.expect("run corolla")
+    }
+
+    fn json(out: &std::process::Output) -> Value {
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "not JSON ({e}): {} / {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn clients_pick_an_adapter_per_session_and_get_peft_tokens() {
+        let golden = super::golden();
+        let families: Value = serde_json::from_slice(
+            &std::fs::read(fixtures_dir().join("families/golden.json")).unwrap(),
+        )
+        .unwrap();
+        let model = fixtures_dir().join("families/llama3");
+        let adapters = fixtures_dir().join("adapters");
+        let path = |name: &str| adapters.join(name).to_str().unwrap().to_string();
+        // Both servers load the same two adapters; the second reads alpha
+        // from its GGUF file.
+        let flags = |alpha: &str| {
+            [
+                "--update-period".to_string(),
+                "2s".into(),
+                "--adapter".into(),
+                format!("alpha={}", path(alpha)),
+                "--adapter".into(),
+                format!("beta={}", path("llama3-beta")),
+            ]
+        };
+        let (first_flags, second_flags) = (flags("llama3-alpha"), flags("llama3-alpha.gguf"));
+        let first_flags: Vec<&str> = first_flags.iter().map(String::as_str).collect();
+        let second_flags: Vec<&str> = second_flags.iter().map(String::as_str).collect();
+        let first = start_model_server(&model, "0:2", None, &first_flags).await;
+        let peers = first.tcp_addr().expect("tcp address").to_string();
+        let second = start_model_server(&model, "2:3", Some(&peers), &second_flags).await;
+        // One hop for the whole model, without adapters: the route a client
+        // without an adapter may take, and one with an adapter must not.
+        let plain =
+            start_model_server(&model, "0:3", Some(&peers), &["--update-period", "2s"]).await;
+        let plain_id = plain.peer_id().to_string();
+        let prompt = families["families"]["llama3"][0]["prompt"]
+            .as_str()
+            .unwrap();
+
+        // Two sessions with different adapters at once (where their decode
+        // steps meet, a server batches them; the batched math is checked by
+        // `sessions_with_different_adapters_batch_together`).
+        let (alpha, beta) = tokio::join!(
+            generate(&peers, Some("alpha"), prompt),
+            generate(&peers, Some("beta"), prompt)
+        );
+        for (name, out) in [("llama3-alpha", alpha), ("llama3-beta", beta)] {
+            let out = json(&out);
+            let want = &golden["adapters"][name]["runs"][0];
+            assert_eq!(out["prompt_ids"], want["prompt_ids"], "{name}");
+            assert_eq!(out["generated_ids"], want["generated_ids"], "{name}: {out}");
+            let route = out["route"].as_array().expect("route");
+            assert_eq!(route.len(), 2, "{name}: {out}");
+            assert!(
+                !out["route"].to_string().contains(&plain_id),
+                "{name}: {out}"
+            );
+        }
+        // Without an adapter: the base model's tokens.
+        let out = json(&generate(&peers, None, prompt).await);
+        assert_eq!(
+            out["generated_ids"],
+            families["families"]["llama3"][0]["generated_ids"]
+        );
+        // An adapter nobody runs: a clear refusal, as a kind.
+        let out = generate(&peers, Some("gamma"), prompt).await;
+        assert!(!out.status.success());
+        let error = json(&out)["error"].clone();
+        assert_eq!(error["kind"], "no_coverage", "{error}");
+        let message = error["message"].as_str().unwrap();
+        assert!(
+            message.contains("no server runs adapter \"gamma\""),
+            "{message}"
+        );
+        // Records name the adapters; a server without any announces none.
+        assert_eq!(first.record().adapters, ["alpha", "beta"]);
+        assert_eq!(second.record().adapters, ["alpha", "beta"]);
+        assert!(plain.record().adapters.is_empty());
+        for server in [first, second, plain] {
+            server.shutdown();
+        }
+    }
+}

@@ -137,6 +137,7 @@ fn open_frame(model: &str, hashes: &[String], max_length: u32) -> Vec<u8> {
         compression: corolla_shared::Compression::None,
         flow_window: 0,
         next: None,
+        adapter: None,
     })
     .encode()
 }
@@ -292,6 +293,7 @@ async fn a_crowd_opening_sessions_while_the_server_is_busy_all_get_one() {
         compression: corolla_shared::Compression::None,
         flow_window: 0,
         next: None,
+        adapter: None,
     };
     let opens =
         (0..CROWD).map(|_| {

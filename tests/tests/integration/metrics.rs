@@ -149,6 +149,7 @@ async fn metrics_count_a_generation_through_two_servers() {
         compression: corolla_shared::Compression::None,
         flow_window: 0,
         next: None,
+        adapter: None,
     })
     .encode();
     let reply = exchange(&mut stream, &open).await;

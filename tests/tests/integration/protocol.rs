@@ -67,6 +67,7 @@ fn open_request(
         compression: corolla_shared::Compression::None,
         flow_window: 0,
         next: None,
+        adapter: None,
     }
 }
 
@@ -161,6 +162,7 @@ async fn bad_requests_get_error_frames_while_a_healthy_session_goes_on() {
         compression: corolla_shared::Compression::None,
         flow_window: 16_000,
         next: None,
+        adapter: None,
     })
     .encode();
     let (code, msg) = exchange(&mut s, &flowing).await.unwrap();

@@ -101,6 +101,7 @@ pub(crate) fn open_frame(max_length: u32, flow_window: u32) -> Vec<u8> {
         compression: corolla_shared::Compression::None,
         flow_window,
         next: None,
+        adapter: None,
     })
     .encode()
 }
