@@ -1,5 +1,5 @@
 // For Corolla's own pages (not for embedding): copies the URL's `bootstrap`,
-// `transport`, `server` and `system` query parameters onto the page's
+// `transport`, `server`, `system` and `adapter` query parameters onto the page's
 // <corolla-chat id="chat">, e.g. /?transport=websocket. A classic script
 // placed after the element runs while the page is parsed, before any module
 // script, so the element has the attributes when widget.js upgrades it.
@@ -7,7 +7,7 @@
   var params = new URLSearchParams(location.search);
   var chat = document.getElementById('chat');
   if (!chat) return;
-  ['bootstrap', 'transport', 'server', 'system'].forEach(function (name) {
+  ['bootstrap', 'transport', 'server', 'system', 'adapter'].forEach(function (name) {
     var values = params.getAll(name).filter(function (v) { return v.trim() !== ''; });
     if (values.length) chat.setAttribute(name, values.join(' '));
   });

@@ -401,6 +401,7 @@ export class CorollaChat extends HTMLElement {
       maxNewTokens: num('max-new-tokens', DEFAULTS.maxNewTokens),
       temperatureGiven: attr('temperature') !== null,
       seed: Number.isSafeInteger(seed) && seed >= 0 ? seed : null,
+      adapter: attr('adapter'),
       examples: attr('examples')?.split('|').map((e) => e.trim()).filter(Boolean) ?? EXAMPLES,
       persist: attr('persist') !== 'false',
     };
@@ -584,6 +585,7 @@ export class CorollaChat extends HTMLElement {
     }
     const settings = { temperature: t, top_p: p, max_new_tokens: n };
     if (this.#config?.seed != null) settings.seed = this.#config.seed;
+    if (this.#config?.adapter) settings.adapter = this.#config.adapter;
     return settings;
   }
 

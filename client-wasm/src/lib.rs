@@ -29,6 +29,7 @@ use corolla_client::{
     Blocks, ChatMessage, ClientError, Conversation, GenerateRequest, SessionSettings,
 };
 use corolla_model::{DType, Device, LlamaConfig, SamplingParams};
+use corolla_shared::adapter_name::check_adapter_name;
 use corolla_shared::flow::BROWSER_WINDOW;
 use corolla_shared::session::StepTimeout;
 use corolla_shared::ErrorKind;
@@ -86,6 +87,10 @@ struct Settings {
     /// The longest draft of a multi-token step (prompt lookup); 0: off.
     #[serde(default = "default_drafts")]
     drafts: usize,
+    /// The LoRA adapter the answer runs with (servers announce theirs);
+    /// none: the base weights.
+    #[serde(default)]
+    adapter: Option<String>,
 }
 
 fn default_drafts() -> usize {
@@ -410,6 +415,9 @@ async fn answer(
             settings.max_new_tokens
         )));
     }
+    if let Some(adapter) = &settings.adapter {
+        check_adapter_name(adapter).map_err(bad_request)?;
+    }
     if inner.busy.replace(true) {
         return Err(bad_request("an answer is already being generated"));
     }
@@ -449,6 +457,7 @@ async fn answer(
     };
     // Out of the cell while answering: nothing else can touch it (busy).
     let mut conversation = inner.conversation.take();
+    conversation.set_adapter(settings.adapter);
     let answer = blocks
         .answer(&mut head, &mut conversation, &request, on_token)
         .await;

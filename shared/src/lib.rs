@@ -6,8 +6,8 @@
 //! the libp2p behaviour all nodes share. It depends on neither candle nor
 //! tokio so that it builds for every target, wasm32 included.
 
-#[cfg(feature = "native")]
 pub mod adapter_name;
+#[cfg(feature = "native")]
 pub mod addr_file;
 pub mod address_limits;
 pub mod behaviour;

@@ -215,13 +215,26 @@ pub fn native_chat(
     system: Option<&str>,
     max_new_tokens: usize,
 ) -> Value {
+    native_chat_with(model, bootstrap, prompt, system, max_new_tokens, &[])
+}
+
+/// [`native_chat`] with more flags (such as `--adapter NAME`).
+pub fn native_chat_with(
+    model: &Path,
+    bootstrap: &str,
+    prompt: &str,
+    system: Option<&str>,
+    max_new_tokens: usize,
+    extra: &[&str],
+) -> Value {
     let mut cmd = Command::new(crate::corolla_bin());
     cmd.arg("generate")
         .arg("--model")
         .arg(model)
         .args(["--initial-peers", bootstrap, "--chat", "--json"])
         .args(["--prompt", prompt])
-        .args(["--max-new-tokens", &max_new_tokens.to_string()]);
+        .args(["--max-new-tokens", &max_new_tokens.to_string()])
+        .args(extra);
     if let Some(system) = system {
         cmd.args(["--system", system]);
     }

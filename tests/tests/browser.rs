@@ -520,6 +520,68 @@ fn page_answers_qwen3_and_expert_models_as_the_native_client_does() {
     }
 }
 
+/// A page choosing a LoRA adapter (the widget's `adapter` attribute, here
+/// from the page's `?adapter=`) answers as the native client does with
+/// `--adapter`, through the servers running it; an adapter no server runs
+/// fails the answer with the kind `no_coverage`.
+#[test]
+fn a_page_answers_with_the_adapter_it_names_as_the_native_client_does() {
+    let _one = serial();
+    let Some(mut swarm) = ready("a page choosing an adapter") else {
+        return;
+    };
+    let model = corolla_tests::fixtures_dir().join("families/llama3");
+    let adapter = corolla_tests::fixtures_dir().join("adapters/llama3-alpha");
+    let flag = format!("alpha={}", adapter.display());
+    swarm.start_page_server(&model, 0, 2, &["--adapter", &flag]);
+    swarm.start_server(&model, 2, 3, &["--adapter", &flag]);
+    let http = swarm.servers[0].http().expect("http").to_string();
+    let prompt = "Where do the rivers of the mountains go?";
+    let run = run_page(
+        &format!("{http}/?transport=websocket&adapter=alpha"),
+        &[prompt],
+        12,
+        "chat-page-adapter",
+        || {},
+    );
+    let answer = first_answer(&run);
+    let bootstrap = swarm.servers[0].tcp_addr();
+    let system = run.system();
+    let native = |extra: &[&str]| {
+        corolla_tests::browser::native_chat_with(
+            &model,
+            &bootstrap,
+            prompt,
+            system.as_deref(),
+            12,
+            extra,
+        )
+    };
+    assert_same_tokens(&answer, &native(&["--adapter", "alpha"]));
+    assert_ne!(
+        ids(&answer["generated_ids"]),
+        ids(&native(&[])["generated_ids"]),
+        "the adapter changes nothing here: the test proves nothing"
+    );
+    let run = run_page(
+        &format!("{http}/?transport=websocket&adapter=gamma"),
+        &[prompt],
+        4,
+        "chat-page-unknown-adapter",
+        || {},
+    );
+    assert!(run.answers().is_empty(), "it answered: {:?}", run.events);
+    let error = event(&run, "error");
+    assert_eq!(error["kind"], "no_coverage", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("adapter \"gamma\""),
+        "{error}"
+    );
+}
+
 /// A page whose swarm lacks a block: the answer fails with the kind
 /// `no_coverage` (the client's word, not a parsed message), and the
 /// widget's banner and `corolla-error` event say so ("No route").

@@ -195,7 +195,13 @@ mod through_the_swarm {
         let model = fixtures_dir().join("families/llama3");
         let mut cmd = tokio::process::Command::new(corolla_bin());
         cmd.args(["generate", "--model", model.to_str().unwrap(), "--json"])
-            .args(["--max-new-tokens", "24", "--ignore-eos", "--initial-peers", peers])
+            .args([
+                "--max-new-tokens",
+                "24",
+                "--ignore-eos",
+                "--initial-peers",
+                peers,
+            ])
             .args(["--discovery-timeout", "5", "--prompt", prompt])
             .env("RUST_LOG", "warn");
         if let Some(adapter) = adapter {
