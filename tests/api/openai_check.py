@@ -2,7 +2,7 @@
 got as one JSON object; tests/tests/api.rs checks the figures.
 
     python openai_check.py --base-url http://127.0.0.1:PORT/v1 --api-key KEY \
-        --model NAME --prompt TEXT [--mode full|no-route]
+        --model NAME --prompt TEXT [--mode full|no-route|adapter]
 """
 
 import argparse
@@ -167,18 +167,39 @@ def no_route(client, args):
     }
 
 
+def adapter(client, args):
+    """`--model` is `model:adapter`: the models listed, a greedy chat with the
+    adapter and one with an adapter nobody runs."""
+    messages = [{"role": "user", "content": args.prompt}]
+    chat = client.chat.completions.create(
+        model=args.model, messages=messages, temperature=0, max_tokens=12
+    )
+    base = args.model.rsplit(":", 1)[0]
+    return {
+        "models": [m.id for m in client.models.list().data],
+        "content": chat.choices[0].message.content,
+        "model": chat.model,
+        "completion_tokens": chat.usage.completion_tokens,
+        "unknown": status_of(
+            lambda: client.chat.completions.create(
+                model=base + ":gamma", messages=messages, max_tokens=4
+            )
+        ),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--api-key", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--mode", default="full", choices=["full", "no-route"])
+    parser.add_argument("--mode", default="full", choices=["full", "no-route", "adapter"])
     args = parser.parse_args()
     client = openai.OpenAI(
         base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=120
     )
-    result = full(client, args) if args.mode == "full" else no_route(client, args)
+    result = {"full": full, "no-route": no_route, "adapter": adapter}[args.mode](client, args)
     json.dump(result, sys.stdout)
     print()
 
