@@ -26,7 +26,7 @@ pub enum ClientError {
     #[error("no server covers blocks {}", format_ranges(.uncovered))]
     NoRoute { uncovered: Vec<(usize, usize)> },
     /// Servers of the blocks exist, but none runs the adapter asked for.
-    #[error("no server runs adapter {adapter:?} for blocks {}: servers announce the adapters they run (see `corolla status`)", format_ranges(.uncovered))]
+    #[error("no server runs adapter {adapter:?} for blocks {}: servers announce the adapters they run (see `corolla swarm`)", format_ranges(.uncovered))]
     AdapterNotServed {
         adapter: String,
         uncovered: Vec<(usize, usize)>,

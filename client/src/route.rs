@@ -301,6 +301,7 @@ mod tests {
             prefill_throughput: 1.0,
             cache_tokens_left: 1,
             prefix_tokens: 0,
+            adapters: Vec::new(),
             max_length: 1,
             sessions: 0,
             max_sessions: 1,

@@ -40,7 +40,7 @@ struct ChatOptions {
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
     /// Answer with this LoRA adapter, which the swarm's servers announce
-    /// (`corolla status` lists them); only servers running it are used.
+    /// (`corolla swarm` lists them); only servers running it are used.
     #[arg(long, value_parser = super::args::parse_adapter_name)]
     adapter: Option<String>,
     #[command(flatten)]

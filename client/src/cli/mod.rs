@@ -148,7 +148,7 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
     /// Answer with this LoRA adapter, which the swarm's servers announce
-    /// (`corolla status` lists them); only servers running it are used.
+    /// (`corolla swarm` lists them); only servers running it are used.
     #[arg(long, value_parser = args::parse_adapter_name, conflicts_with = "local")]
     adapter: Option<String>,
     #[command(flatten)]
