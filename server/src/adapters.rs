@@ -76,6 +76,19 @@ impl AdapterFiles {
         Ok(AdapterFiles { files })
     }
 
+    /// The most bytes all adapters add to one block in `dtype_bytes` per
+    /// value: what `--num-blocks auto` adds to a block's weights.
+    pub fn bytes_per_block(&self, dtype_bytes: usize) -> u64 {
+        let mut per_layer: BTreeMap<usize, u64> = BTreeMap::new();
+        for (_, file) in &self.files {
+            for ((layer, _), pair) in file.pairs() {
+                let values = (pair.a.elem_count() + pair.b.elem_count()) as u64;
+                *per_layer.entry(*layer).or_default() += values * dtype_bytes as u64;
+            }
+        }
+        per_layer.into_values().max().unwrap_or(0)
+    }
+
     /// Every adapter's layers of `span`, checked against its shapes.
     pub fn for_span(&self, span: &BlockSpan) -> Result<ServedAdapters, ServerError> {
         let by_name = self
@@ -118,6 +131,38 @@ impl ServedAdapters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/adapters")
+            .join(name)
+    }
+
+    fn arg(name: &str, file: &str) -> AdapterArg {
+        AdapterArg {
+            name: name.into(),
+            path: fixture(file),
+        }
+    }
+
+    #[test]
+    fn files_are_read_once_named_once_and_sized_per_block() {
+        let files = AdapterFiles::read(&[arg("alpha", "llama3-alpha"), arg("beta", "llama3-beta")])
+            .unwrap();
+        // Layer 0 holds both: alpha's r 4 on all seven projections of a
+        // 64-wide model with FFN 176 and 2 KV heads of 16 (4672 values),
+        // beta's r 8 on q, v and down (3712); f32.
+        assert_eq!(files.bytes_per_block(4), (4672 + 3712) * 4);
+        let twice =
+            AdapterFiles::read(&[arg("alpha", "llama3-alpha"), arg("alpha", "llama3-beta")]);
+        assert!(matches!(twice, Err(ServerError::BadArgs(m)) if m.contains("twice")));
+        let missing = AdapterFiles::read(&[arg("gone", "no-such-adapter")]).unwrap_err();
+        assert_eq!(missing.kind(), "adapter");
+        assert!(
+            missing.to_string().starts_with("adapter \"gone\""),
+            "{missing}"
+        );
+    }
 
     #[test]
     fn flags_parse_as_name_and_path() {

@@ -145,7 +145,8 @@ impl OpenedModel {
         let block_bytes = self
             .checkpoint
             .loaded_block_bytes(dtype)
-            .unwrap_or_else(|| config.block_parameters().saturating_mul(dtype_bytes as u64));
+            .unwrap_or_else(|| config.block_parameters().saturating_mul(dtype_bytes as u64))
+            .saturating_add(self.adapters.bytes_per_block(dtype_bytes));
         let n = crate::memory::blocks_that_fit(
             limit,
             block_bytes,
