@@ -11,27 +11,31 @@
 //! requested, so a server hosting a few layers never touches (or needs to
 //! have downloaded) the files of the others. A browser's downloaded client
 //! part is a checkpoint too ([`Checkpoint::from_memory`]). One file's bytes
-//! and index are [`crate::weight_file`]'s business.
+//! and index are [`crate::weight_file`]'s business; loading one tensor is
+//! `checkpoint/tensors.rs`'s, the tokenizer and chat template
+//! `checkpoint/client_files.rs`'s.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use candle_core::quantized::QTensor;
-use candle_core::{DType, Device, Tensor};
-use safetensors::Dtype as StDtype;
+use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::file_bytes::FileBytes;
-use crate::gguf::{GgufFile, GgufTokenizer};
+use crate::gguf::GgufFile;
 use crate::rope::RopeLayout;
 use crate::weight_file::WeightFile;
 pub use crate::weight_file::{RawDType, RawTensor};
 
+mod client_files;
 mod quantized_weights;
+mod tensors;
 mod weights;
+
+pub use client_files::TokenizerSource;
 
 pub use quantized_weights::QuantizedWeights;
 pub use weights::Weights;
@@ -79,17 +83,6 @@ pub struct SpanFile {
 #[derive(Debug, Deserialize)]
 struct ShardedIndex {
     weight_map: HashMap<String, String>,
-}
-
-/// Where a model's tokenizer comes from.
-#[derive(Debug, Clone)]
-pub enum TokenizerSource {
-    /// A Hugging Face `tokenizer.json`.
-    Json(PathBuf),
-    /// A `tokenizer.json` held in memory.
-    JsonBytes(Vec<u8>),
-    /// The metadata of a GGUF file.
-    Gguf(Box<GgufTokenizer>),
 }
 
 /// A model folder or GGUF file: its config, where each tensor lives, and
@@ -265,23 +258,6 @@ impl Checkpoint {
         })
     }
 
-    /// A side file's bytes: from memory, or read from the folder.
-    fn side_file(&self, name: &str) -> Result<Option<Vec<u8>>> {
-        if let Some(files) = &self.side_files {
-            return Ok(files.get(name).cloned());
-        }
-        if self.single_file.is_some() {
-            return Ok(None);
-        }
-        let path = self.dir.join(name);
-        if !path.is_file() {
-            return Ok(None);
-        }
-        std::fs::read(&path)
-            .map(Some)
-            .map_err(|e| ModelError::io(&path, e))
-    }
-
     /// Loads quantized weights as dense tensors of the compute dtype: more
     /// memory, float-exact math.
     pub fn with_dequantize(mut self, dequantize: bool) -> Self {
@@ -325,90 +301,6 @@ impl Checkpoint {
         }
     }
 
-    /// The GGUF file holding the client part, whose metadata carries the
-    /// tokenizer and chat template.
-    /// A page's client part has no embedding table: then the file of the
-    /// final norm.
-    fn client_gguf(&self) -> Result<Option<Arc<WeightFile>>> {
-        let file = [
-            crate::tensor_names::EMBED_TOKENS,
-            crate::tensor_names::FINAL_NORM,
-        ]
-        .iter()
-        .find_map(|t| self.weight_map.get(*t));
-        match file {
-            Some(file) if file.ends_with(".gguf") => Ok(Some(self.mapped(file)?)),
-            _ => Ok(None),
-        }
-    }
-
-    /// The model's tokenizer: `tokenizer.json` beside the weights, else the
-    /// GGUF metadata.
-    pub fn tokenizer_source(&self) -> Result<TokenizerSource> {
-        if let Some(files) = &self.side_files {
-            if let Some(json) = files.get(TOKENIZER_FILE) {
-                return Ok(TokenizerSource::JsonBytes(json.clone()));
-            }
-        } else {
-            let json = self.tokenizer_path();
-            if self.single_file.is_none() && json.is_file() {
-                return Ok(TokenizerSource::Json(json));
-            }
-        }
-        if let Some(file) = self.client_gguf()? {
-            if let WeightFile::Gguf(g) = file.as_ref() {
-                if let Some(t) = g.tokenizer()? {
-                    return Ok(TokenizerSource::Gguf(Box::new(t)));
-                }
-            }
-        }
-        Err(ModelError::invalid_file(
-            &self.dir,
-            "no tokenizer: expected tokenizer.json or GGUF tokenizer metadata",
-        ))
-    }
-
-    /// The model's own Jinja chat template, if it ships one (GGUF metadata
-    /// or `tokenizer_config.json`).
-    pub fn chat_template(&self) -> Result<Option<String>> {
-        if let Some(file) = self.client_gguf()? {
-            if let WeightFile::Gguf(g) = file.as_ref() {
-                return Ok(g.chat_template());
-            }
-        }
-        let Some(bytes) = self.side_file(TOKENIZER_CONFIG_FILE)? else {
-            return Ok(None);
-        };
-        let value: serde_json::Value = serde_json::from_slice(&bytes)
-            .map_err(|e| ModelError::invalid_file(self.dir.join(TOKENIZER_CONFIG_FILE), e))?;
-        Ok(match value.get("chat_template") {
-            Some(serde_json::Value::String(t)) => Some(t.clone()),
-            // A list of named templates: take the default one.
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .or_else(|| list.first())
-                .and_then(|t| t.get("template"))
-                .and_then(|t| t.as_str())
-                .map(str::to_string),
-            _ => None,
-        })
-    }
-
-    /// The GGUF metadata of the file holding `tensor`, for `corolla convert`.
-    pub fn gguf_metadata_of(
-        &self,
-        tensor: &str,
-    ) -> Result<Option<HashMap<String, candle_core::quantized::gguf_file::Value>>> {
-        let Some(file) = self.weight_map.get(tensor) else {
-            return Ok(None);
-        };
-        Ok(match self.mapped(file)?.as_ref() {
-            WeightFile::Gguf(g) => Some(g.metadata().clone()),
-            WeightFile::Safetensors(_) => None,
-        })
-    }
-
     pub fn config(&self) -> &LlamaConfig {
         &self.config
     }
@@ -416,10 +308,6 @@ impl Checkpoint {
     /// The block layout, when this is a `corolla convert` output.
     pub fn corolla_index(&self) -> Option<&CorollaIndex> {
         self.corolla_index.as_ref()
-    }
-
-    pub fn tokenizer_path(&self) -> PathBuf {
-        self.dir.join(TOKENIZER_FILE)
     }
 
     /// The memory a block takes once loaded, averaged over the model's
@@ -477,127 +365,6 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The raw bytes and metadata of one tensor, mapping its file if needed.
-    pub fn raw_tensor(&self, name: &str) -> Result<RawTensor> {
-        let file_name = self
-            .weight_map
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
-        let file = self.mapped(file_name)?;
-        WeightFile::raw_tensor(&file, name)
-            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })
-    }
-
-    fn mapped(&self, file_name: &str) -> Result<Arc<WeightFile>> {
-        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(f) = files.get(file_name) {
-            return Ok(f.clone());
-        }
-        let path = self.dir.join(file_name);
-        tracing::debug!(path = %path.display(), "mapping weight file");
-        let f = Arc::new(WeightFile::open(&path)?);
-        files.insert(file_name.to_string(), f.clone());
-        Ok(f)
-    }
-
-    /// Loads one tensor, checks its shape and converts it to `dtype` on `device`.
-    pub fn tensor(
-        &self,
-        name: &str,
-        shape: &[usize],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let raw = self.raw_tensor(name)?;
-        check_shape(name, &raw.shape, shape)?;
-        let st_dtype = match raw.dtype {
-            RawDType::Safetensors(t) => t,
-            RawDType::Ggml(_) => {
-                let q = self.qtensor_of(&raw, name, device)?;
-                return Ok(q
-                    .dequantize(device)
-                    .map_err(|e| ModelError::invalid_file(&self.dir, format!("{name}: {e}")))?
-                    .to_dtype(dtype)?);
-            }
-        };
-        let src_dtype = match st_dtype {
-            StDtype::F32 => DType::F32,
-            StDtype::F16 => DType::F16,
-            StDtype::BF16 => DType::BF16,
-            other => {
-                return Err(ModelError::UnsupportedTensorDType {
-                    name: name.into(),
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
-        let t = Tensor::from_raw_buffer(raw.data(), src_dtype, &raw.shape, device)?;
-        Ok(t.to_dtype(dtype)?)
-    }
-
-    fn qtensor_of(&self, raw: &RawTensor, name: &str, device: &Device) -> Result<QTensor> {
-        match (raw.file.as_ref(), raw.dtype) {
-            (WeightFile::Gguf(g), RawDType::Ggml(_)) => g.qtensor(name, device),
-            _ => Err(ModelError::UnsupportedTensorDType {
-                name: name.into(),
-                dtype: format!("{:?} (not a GGUF tensor)", raw.dtype),
-            }),
-        }
-    }
-
-    /// A GGUF tensor exactly as stored, whatever the dequantize setting.
-    pub fn stored_qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
-        let raw = self.raw_tensor(name)?;
-        self.qtensor_of(&raw, name, device)
-    }
-
-    /// The tensor in its stored quantization, when it is quantized and the
-    /// checkpoint keeps quantized weights; `None` means "use [`Self::tensor`]".
-    pub fn quantized_tensor(
-        &self,
-        name: &str,
-        shape: &[usize],
-        device: &Device,
-    ) -> Result<Option<QTensor>> {
-        match self.kept_quantized(name, shape)? {
-            Some(raw) => self.qtensor_of(&raw, name, device).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    /// `name` as stored, when it is quantized and the checkpoint keeps it so.
-    fn kept_quantized(&self, name: &str, shape: &[usize]) -> Result<Option<RawTensor>> {
-        if self.dequantize {
-            return Ok(None);
-        }
-        let raw = self.raw_tensor(name)?;
-        if !raw.dtype.is_quantized() {
-            return Ok(None);
-        }
-        check_shape(name, &raw.shape, shape)?;
-        Ok(Some(raw))
-    }
-
-    /// Matrix `index` of the stacked tensor `name` (`shape`: `[count, rows,
-    /// columns]`, each expert's projection in a GGUF) in its stored
-    /// quantization, when it is quantized and kept so; `None` means "use
-    /// [`Self::tensor`] for the whole stack".
-    pub fn quantized_part(
-        &self,
-        name: &str,
-        index: usize,
-        shape: &[usize],
-        device: &Device,
-    ) -> Result<Option<QTensor>> {
-        let Some(raw) = self.kept_quantized(name, shape)? else {
-            return Ok(None);
-        };
-        match raw.file.as_ref() {
-            WeightFile::Gguf(g) => g.qtensor_part(name, index, device).map(Some),
-            _ => Ok(None),
-        }
-    }
-
     pub fn weights(&self, dtype: DType, device: &Device) -> Weights<'_> {
         Weights::new(self, dtype, device)
     }
@@ -629,15 +396,4 @@ impl Checkpoint {
         }
         Ok(())
     }
-}
-
-fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
-    if actual != expected {
-        return Err(ModelError::WrongShape {
-            name: name.into(),
-            expected: expected.to_vec(),
-            actual: actual.to_vec(),
-        });
-    }
-    Ok(())
 }

@@ -140,5 +140,4 @@ impl GgufFile {
         }
         Ok(Some(divisors))
     }
-
 }

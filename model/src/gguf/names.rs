@@ -73,7 +73,6 @@ pub fn architecture_of(family: Family) -> &'static str {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,4 +100,3 @@ mod tests {
         assert_eq!(gguf_name("model.layers.1.unknown.weight"), None);
     }
 }
-

@@ -116,4 +116,3 @@ impl GgufTokenizer {
     pub const USER_DEFINED: i32 = 4;
     pub const BYTE: i32 = 6;
 }
-
