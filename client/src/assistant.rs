@@ -356,7 +356,7 @@ impl Blocks {
                 sessions,
             } => identities
                 .first()
-                .max_session_length(sessions.num_layers)
+                .max_session_length(sessions.num_layers, None)
                 .map_or(model_max, |servers| servers.min(model_max)),
         }
     }
@@ -479,7 +479,8 @@ impl Blocks {
             } => {
                 let (view, lease) = identities.least_busy();
                 view.ensure_fresh().await;
-                let length = match view.max_session_length(sessions.num_layers) {
+                let length = match view.max_session_length(sessions.num_layers, adapter.as_deref())
+                {
                     Some(max) if needed > max => {
                         return Err(ClientError::SessionTooLong { needed, max });
                     }

@@ -238,9 +238,10 @@ impl SwarmView {
     }
 
     /// The longest session (in positions) that usable servers of every block
-    /// in `0..num_layers` accept, or `None` while some block is uncovered.
-    pub fn max_session_length(&self, num_layers: usize) -> Option<usize> {
-        let servers = self.usable_servers();
+    /// in `0..num_layers` running `adapter` accept, or `None` while some
+    /// block is uncovered.
+    pub fn max_session_length(&self, num_layers: usize, adapter: Option<&str>) -> Option<usize> {
+        let servers = self.usable_servers_with(adapter);
         (0..num_layers)
             .map(|block| {
                 servers
@@ -252,9 +253,19 @@ impl SwarmView {
             .try_fold(usize::MAX, |min, longest| Some(min.min(longest?)))
     }
 
-    /// Blocks of `0..num_layers` no usable server covers.
-    pub fn uncovered(&self, num_layers: usize) -> Vec<(usize, usize)> {
-        uncovered_blocks(&self.usable_servers(), num_layers)
+    /// Blocks of `0..num_layers` no usable server (running `adapter`, if
+    /// one is named) covers.
+    pub fn uncovered(&self, num_layers: usize, adapter: Option<&str>) -> Vec<(usize, usize)> {
+        uncovered_blocks(&self.usable_servers_with(adapter), num_layers)
+    }
+
+    /// The usable servers running `adapter` (all of them for `None`).
+    fn usable_servers_with(&self, adapter: Option<&str>) -> Vec<ServerRecord> {
+        let mut servers = self.usable_servers();
+        if let Some(name) = adapter {
+            servers.retain(|r| r.adapters.iter().any(|a| a == name));
+        }
+        servers
     }
 
     /// The least-latency chain for blocks `from..to` of servers that run
@@ -285,7 +296,10 @@ impl SwarmView {
             };
             match plan_route_between(&self.servers_for(session), from, to, &costs) {
                 Ok(route) => return Ok(route),
-                Err(e) if Instant::now() >= deadline || looked_up && self.all_refused(from, to) => {
+                Err(e)
+                    if Instant::now() >= deadline
+                        || looked_up && self.all_refused(from, to, session) =>
+                {
                     return Err(self.explain(e, from, to, session))
                 }
                 // What the view knows does not do: look the swarm up now.
@@ -321,9 +335,7 @@ impl SwarmView {
 
     /// The usable servers that run `session`'s adapter.
     fn servers_for(&self, session: &SessionSettings) -> Vec<ServerRecord> {
-        let mut servers = self.usable_servers();
-        servers.retain(|r| session.served_by(r));
-        servers
+        self.usable_servers_with(session.adapter.as_deref())
     }
 
     /// Adapters usable servers announce, each once, in order.
@@ -404,12 +416,13 @@ impl SwarmView {
 
     /// Whether every known server of some block in `from..to` is banned
     /// after a failure: waiting for the lookup's patience would not help.
-    fn all_refused(&self, from: usize, to: usize) -> bool {
+    fn all_refused(&self, from: usize, to: usize, session: &SessionSettings) -> bool {
         let state = self.state();
         (from..to).any(|block| {
             let mut servers = state
                 .records
                 .iter()
+                .filter(|r| session.served_by(r))
                 .filter(|r| (r.start as usize..r.end as usize).contains(&block))
                 .peekable();
             servers.peek().is_some()
@@ -429,20 +442,33 @@ impl SwarmView {
         to: usize,
         session: &SessionSettings,
     ) -> ClientError {
-        if let (ClientError::NoRoute { uncovered }, Some(adapter)) = (&error, &session.adapter) {
-            // Servers without the adapter would have covered the gap.
-            let plain = uncovered_blocks(&self.usable_servers(), to);
-            if plain.iter().all(|&(a, b)| b <= from || a >= to) {
+        let state = self.state();
+        if let (ClientError::NoRoute { .. }, Some(adapter)) = (&error, &session.adapter) {
+            // Blocks no known server announces the adapter for, banned or
+            // not: those the adapter lacks (a refusal of the adapter's
+            // servers is explained below, as any refusal).
+            let announcing: Vec<ServerRecord> = state
+                .records
+                .iter()
+                .filter(|r| session.served_by(r))
+                .cloned()
+                .collect();
+            let lacking: Vec<(usize, usize)> = uncovered_blocks(&announcing, to)
+                .into_iter()
+                .filter(|&(a, b)| b > from && a < to)
+                .map(|(a, b)| (a.max(from), b.min(to)))
+                .collect();
+            if !lacking.is_empty() {
                 return ClientError::AdapterNotServed {
                     adapter: adapter.clone(),
-                    uncovered: uncovered.clone(),
+                    uncovered: lacking,
                 };
             }
         }
-        let state = self.state();
         let mut failures: Vec<(ErrorKind, String)> = state
             .records
             .iter()
+            .filter(|r| session.served_by(r))
             .filter(|r| (r.start as usize) < to && (r.end as usize) > from)
             .filter_map(|r| {
                 let (kind, why) = match state.last_failure.get(&r.peer_id) {

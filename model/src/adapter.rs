@@ -137,6 +137,15 @@ struct PeftConfig {
     modules_to_save: Option<Vec<String>>,
     #[serde(default)]
     target_parameters: Option<Vec<String>>,
+    /// `true`/`false`, or a method name: PiSSA, OLoRA, CorDA and LoftQ
+    /// adapters saved unconverted apply to a changed base.
+    #[serde(default)]
+    init_lora_weights: Option<serde_json::Value>,
+    /// Activated LoRA: the adapter applies only after these tokens.
+    #[serde(default)]
+    alora_invocation_tokens: Option<serde_json::Value>,
+    #[serde(default)]
+    layer_replication: Option<serde_json::Value>,
 }
 
 impl PeftConfig {
@@ -168,28 +177,86 @@ impl PeftConfig {
         if self.r == 0 || self.r > MAX_RANK {
             return refuse(&format!("rank {} is outside 1..={MAX_RANK}", self.r));
         }
+        if let Some(serde_json::Value::String(method)) = &self.init_lora_weights {
+            let changed_base = ["pissa", "olora", "corda", "loftq"];
+            if changed_base
+                .iter()
+                .any(|m| method.to_ascii_lowercase().starts_with(m))
+            {
+                return refuse(&format!(
+                    "init_lora_weights {method:?}: such an adapter applies to a changed base model \
+                     (convert it to a plain LoRA with PEFT first)"
+                ));
+            }
+        }
+        if self
+            .alora_invocation_tokens
+            .as_ref()
+            .is_some_and(|v| !v.is_null())
+        {
+            return refuse("activated LoRA (alora_invocation_tokens) is not supported");
+        }
+        if self
+            .layer_replication
+            .as_ref()
+            .is_some_and(|v| !v.is_null())
+        {
+            return refuse("layer_replication is not supported");
+        }
+        let keys = self.alpha_pattern.keys().chain(self.rank_pattern.keys());
+        if let Some(key) = keys.into_iter().find(|k| !is_module_name(k)) {
+            return refuse(&format!(
+                "pattern {key:?} is a regular expression; Corolla matches alpha_pattern and \
+                 rank_pattern keys as module names only"
+            ));
+        }
         Ok(())
     }
 
     /// The value of the pattern matching `module` (PEFT: the key equals the
-    /// module's name or ends it after a dot), else `default`.
-    fn pattern<T: Copy>(patterns: &BTreeMap<String, T>, module: &str, default: T) -> T {
-        patterns
+    /// module's name or ends it after a dot), else `default`. Keys that
+    /// match the same module with different values are refused: PEFT takes
+    /// the first in the file's order, which a parsed map does not keep.
+    fn pattern<T: Copy + PartialEq>(
+        patterns: &BTreeMap<String, T>,
+        module: &str,
+        default: T,
+    ) -> std::result::Result<T, String> {
+        let mut matching = patterns
             .iter()
-            .find(|(key, _)| module == key.as_str() || module.ends_with(&format!(".{key}")))
-            .map_or(default, |(_, v)| *v)
+            .filter(|(key, _)| module == key.as_str() || module.ends_with(&format!(".{key}")));
+        let Some((first, value)) = matching.next() else {
+            return Ok(default);
+        };
+        match matching.find(|(_, other)| *other != value) {
+            Some((second, _)) => Err(format!(
+                "patterns {first:?} and {second:?} both match {module} with different values"
+            )),
+            None => Ok(*value),
+        }
     }
 
-    /// The scale of `module`'s pair, of rank `rank`.
-    fn scale(&self, module: &str, rank: usize) -> f64 {
-        let alpha = Self::pattern(&self.alpha_pattern, module, self.lora_alpha);
-        let rank = Self::pattern(&self.rank_pattern, module, rank) as f64;
-        if self.use_rslora {
+    /// The scale of `module`'s pair, whose tensors have rank `rank` (what
+    /// `rank_pattern` sized them to).
+    fn scale(&self, module: &str, rank: usize) -> std::result::Result<f64, String> {
+        let alpha = Self::pattern(&self.alpha_pattern, module, self.lora_alpha)?;
+        let rank = rank as f64;
+        Ok(if self.use_rslora {
             alpha / rank.sqrt()
         } else {
             alpha / rank
-        }
+        })
     }
+}
+
+/// Whether a pattern key is a plain module name (`down_proj`,
+/// `mlp.down_proj`, `model.layers.3.mlp.down_proj`), not a regular expression.
+fn is_module_name(key: &str) -> bool {
+    !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+        && !key.contains("..")
 }
 
 impl AdapterFile {
@@ -257,7 +324,9 @@ impl AdapterFile {
                 ));
             };
             let rank = checked_rank(&weights_path, &module, &a, &b)?;
-            let scale = config.scale(&module, rank);
+            let scale = config
+                .scale(&module, rank)
+                .map_err(|e| ModelError::invalid_file(&config_path, e))?;
             pairs.insert((layer, target), pair(a, b, scale)?);
         }
         Ok(AdapterFile {
@@ -427,12 +496,25 @@ mod tests {
             r#"{"r": 8, "lora_alpha": 4, "use_rslora": true, "alpha_pattern": {"down_proj": 16}}"#,
         )
         .unwrap();
-        let scale = config.scale("model.layers.0.self_attn.q_proj", 8);
+        let scale = config.scale("model.layers.0.self_attn.q_proj", 8).unwrap();
         assert!((scale - 4.0 / 8f64.sqrt()).abs() < 1e-12);
-        let scale = config.scale("model.layers.0.mlp.down_proj", 8);
+        let scale = config.scale("model.layers.0.mlp.down_proj", 8).unwrap();
         assert!((scale - 16.0 / 8f64.sqrt()).abs() < 1e-12);
         let plain: PeftConfig = serde_json::from_str(r#"{"r": 4, "lora_alpha": 8}"#).unwrap();
-        assert_eq!(plain.scale("model.layers.1.mlp.up_proj", 4), 2.0);
+        assert_eq!(plain.scale("model.layers.1.mlp.up_proj", 4), Ok(2.0));
+        // Two keys matching one module with different values: PEFT's
+        // choice depends on the file's order, so neither is guessed.
+        let overlapping: PeftConfig = serde_json::from_str(
+            r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"down_proj": 16, "layers.1.mlp.down_proj": 2}}"#,
+        )
+        .unwrap();
+        assert!(overlapping
+            .scale("model.layers.1.mlp.down_proj", 4)
+            .is_err());
+        assert_eq!(
+            overlapping.scale("model.layers.2.mlp.down_proj", 4),
+            Ok(4.0)
+        );
     }
 
     #[test]
@@ -443,6 +525,11 @@ mod tests {
             r#"{"r": 4, "lora_alpha": 8, "modules_to_save": ["lm_head"]}"#,
             r#"{"r": 0, "lora_alpha": 8}"#,
             r#"{"r": 4, "lora_alpha": 8, "peft_type": "IA3"}"#,
+            r#"{"r": 4, "lora_alpha": 8, "init_lora_weights": "pissa_niter_4"}"#,
+            r#"{"r": 4, "lora_alpha": 8, "alora_invocation_tokens": [5, 6]}"#,
+            r#"{"r": 4, "lora_alpha": 8, "layer_replication": [[0, 2]]}"#,
+            r#"{"r": 4, "lora_alpha": 8, "alpha_pattern": {"q_proj|v_proj": 16}}"#,
+            r#"{"r": 4, "lora_alpha": 8, "rank_pattern": {"layers\\.[0-3]\\.q_proj": 8}}"#,
         ] {
             let config: PeftConfig = serde_json::from_str(bad).unwrap();
             assert!(config.check(Path::new("x")).is_err(), "{bad}");

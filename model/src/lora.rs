@@ -4,9 +4,9 @@
 //!
 //! A [`SpanAdapter`] is an adapter file's layers for one span, in the span's
 //! dtype, device and rotary row layout; a session's [`crate::SessionCache`]
-//! names the one it runs with. In a batched decode step the rows of
-//! sessions with the same adapter go through its matrices together
-//! ([`RowLoras`]), and the base projections once for all rows.
+//! names the one it runs with. In a batched decode step the base
+//! projections run once for all rows, and each row goes through its own
+//! adapter's matrices alone ([`RowLoras`]).
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! One libp2p stream carries one inference session:
 //!
 //! ```text
-//! client: Open{model, fingerprint, span, max_length, dtype, next}  server: Opened{max_length, token}
+//! client: Open{model, fingerprint, span, max_length, dtype, next, adapter?}  server: Opened{max_length, token}
 //! client: Step{start_position, step_id, push, hidden[1, T, H]}  server: StepOut{step_id, pushed, input_proof, hidden} | Error
 //! ...
 //! client: Close

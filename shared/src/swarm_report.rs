@@ -110,8 +110,6 @@ impl SwarmReport {
         }
     }
 
-    /// The report as a terminal shows it: a coverage bar, the gaps, and a
-    /// table of servers.
     /// For each adapter servers announce: whether its servers cover every block.
     pub fn adapter_lines(&self) -> Vec<String> {
         let names: std::collections::BTreeSet<&str> = self
@@ -141,6 +139,8 @@ impl SwarmReport {
             .collect()
     }
 
+    /// The report as a terminal shows it: a coverage bar, the gaps, the
+    /// adapters' coverage, and a table of servers.
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         let state = if self.complete {

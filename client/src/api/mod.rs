@@ -217,18 +217,23 @@ fn model_object(id: &str) -> Value {
     json!({"id": id, "object": "model", "created": 0, "owned_by": "corolla"})
 }
 
-/// The model, and the model with each adapter the swarm's servers
-/// announce (`model:adapter`).
-async fn list_models(State(state): State<Arc<ApiState>>) -> Json<Value> {
-    state.metrics.request("models");
-    let model = state.assistant.model();
-    let adapters = match state.assistant.swarm_view() {
+/// The adapters the swarm's usable servers announce.
+async fn announced_adapters(state: &ApiState) -> Vec<String> {
+    match state.assistant.swarm_view() {
         Some(view) => {
             view.ensure_fresh().await;
             view.adapters()
         }
         None => Vec::new(),
-    };
+    }
+}
+
+/// The model, and the model with each adapter the swarm's servers
+/// announce (`model:adapter`).
+async fn list_models(State(state): State<Arc<ApiState>>) -> Json<Value> {
+    state.metrics.request("models");
+    let model = state.assistant.model();
+    let adapters = announced_adapters(&state).await;
     let data: Vec<Value> = std::iter::once(model_object(model))
         .chain(
             adapters
@@ -244,8 +249,20 @@ async fn get_model(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     state.metrics.request("models");
-    check_model(&state, &id).inspect_err(|e| state.metrics.error(e.kind()))?;
-    Ok(Json(model_object(&id)))
+    let result = async {
+        if let Some(adapter) = check_model(&state, &id)? {
+            if !announced_adapters(&state).await.contains(&adapter) {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("no server of the swarm runs adapter {adapter:?}"),
+                )
+                .with_code("model_not_found"));
+            }
+        }
+        Ok(Json(model_object(&id)))
+    }
+    .await;
+    result.inspect_err(|e| state.metrics.error(e.kind()))
 }
 
 /// The adapter `model` asks for: none for the model's own name, `adapter`

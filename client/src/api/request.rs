@@ -278,13 +278,20 @@ pub(super) async fn check_coverage(
     }
     let layers = state.assistant.head().config().num_hidden_layers;
     view.ensure_fresh().await;
-    if view.uncovered(layers).is_empty() {
+    if view.uncovered(layers, adapter).is_empty() {
         return Ok(());
     }
     view.refresh().await;
-    let uncovered = view.uncovered(layers);
+    let uncovered = view.uncovered(layers, adapter);
     if uncovered.is_empty() {
         return Ok(());
     }
-    Err(ClientError::NoRoute { uncovered }.into())
+    Err(match adapter {
+        Some(adapter) => ClientError::AdapterNotServed {
+            adapter: adapter.to_string(),
+            uncovered,
+        },
+        None => ClientError::NoRoute { uncovered },
+    }
+    .into())
 }
