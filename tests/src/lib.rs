@@ -211,6 +211,13 @@ pub fn generate_local(
     out.generated_ids
 }
 
+/// `tests/fixtures/<relative>`, parsed as JSON.
+pub fn fixture_json(relative: &str) -> serde_json::Value {
+    let path = fixtures_dir().join(relative);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// [`generate_local`] with every span's steps through `adapter`.
 pub fn generate_local_with_adapter(
     head: &corolla_model::ClientHead,

@@ -5,32 +5,18 @@
 
 use corolla_model::{AdapterFile, BlockSpan, Checkpoint, ClientHead, DType, Device, Tensor};
 use corolla_tests::{fixtures_dir, generate_local_with_adapter};
+
+use crate::golden::families::{ids, last_logits_error};
 use serde_json::Value;
 
 fn golden() -> Value {
-    let path = fixtures_dir().join("adapters/golden.json");
-    serde_json::from_slice(&std::fs::read(path).expect("golden.json")).expect("JSON")
+    corolla_tests::fixture_json("adapters/golden.json")
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
+/// `family`'s client head and spans `ranges`, from the transformers folder
+/// or (with `gguf`) the GGUF file.
 fn base(family: &str, gguf: bool, ranges: &[(usize, usize)]) -> (ClientHead, Vec<BlockSpan>) {
-    let name = match gguf {
-        true => format!("{family}.gguf"),
-        false => family.to_string(),
-    };
-    let ck = Checkpoint::open(fixtures_dir().join("families").join(name)).unwrap();
-    let head = ClientHead::load(&ck, DType::F32, &Device::Cpu).unwrap();
-    let spans = ranges
-        .iter()
-        .map(|&(a, b)| BlockSpan::load(&ck, a, b, DType::F32, &Device::Cpu).unwrap())
-        .collect();
+    let (_, head, spans) = crate::golden::families::load(family, gguf, ranges);
     (head, spans)
 }
 
@@ -73,17 +59,7 @@ fn adapters_generate_what_transformers_with_peft_generates() {
                         cache.set_adapter(Some(span.adapter(&adapter).unwrap()));
                         hidden = span.forward(&hidden, 0, &mut cache).unwrap();
                     }
-                    let logits = head.last_logits(&hidden).unwrap();
-                    let expected: Vec<f32> = run["last_logits"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.as_f64().unwrap() as f32)
-                        .collect();
-                    let err = corolla_tests::relative_l2(
-                        &logits,
-                        &Tensor::new(expected, &Device::Cpu).unwrap(),
-                    );
+                    let err = last_logits_error(run, &head.last_logits(&hidden).unwrap());
                     assert!(err < 1e-4, "{case}: logits relative error {err}");
                 }
             }

@@ -200,7 +200,7 @@ fn the_tokenizer_encodes_prompts_like_transformers() {
     }
 }
 
-mod families {
+pub(crate) mod families {
     //! Llama 3 (llama3 rope scaling), Qwen2 (Q/K/V biases, tied embeddings),
     //! Mistral (a sliding window of 8, shorter than the prompts), Qwen3
     //! (per-head Q/K norms, heads wider than hidden / heads), Mixtral (four
@@ -223,11 +223,21 @@ mod families {
     ];
 
     fn golden() -> Value {
-        let path = fixtures_dir().join("families/golden.json");
-        serde_json::from_slice(&std::fs::read(path).expect("golden.json")).expect("JSON")
+        corolla_tests::fixture_json("families/golden.json")
     }
 
-    fn ids(v: &Value) -> Vec<u32> {
+    /// The relative error of `logits` against a run's `last_logits`.
+    pub(crate) fn last_logits_error(run: &Value, logits: &Tensor) -> f64 {
+        let expected: Vec<f32> = run["last_logits"]
+            .as_array()
+            .expect("last_logits")
+            .iter()
+            .map(|x| x.as_f64().expect("a logit") as f32)
+            .collect();
+        corolla_tests::relative_l2(logits, &Tensor::new(expected, &Device::Cpu).unwrap())
+    }
+
+    pub(crate) fn ids(v: &Value) -> Vec<u32> {
         v.as_array()
             .expect("ids")
             .iter()
@@ -237,7 +247,7 @@ mod families {
 
     /// `family`'s checkpoint: the transformers folder, or with `gguf` the
     /// same weights as llama.cpp's converter writes them.
-    fn load(
+    pub(crate) fn load(
         family: &str,
         gguf: bool,
         ranges: &[(usize, usize)],
@@ -286,15 +296,7 @@ mod families {
                         let mut cache = span.new_cache(prompt.len()).unwrap();
                         hidden = span.forward(&hidden, 0, &mut cache).unwrap();
                     }
-                    let logits = head.last_logits(&hidden).unwrap();
-                    let expected: Vec<f32> = run["last_logits"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.as_f64().unwrap() as f32)
-                        .collect();
-                    let expected = Tensor::new(expected, &Device::Cpu).unwrap();
-                    let err = corolla_tests::relative_l2(&logits, &expected);
+                    let err = last_logits_error(run, &head.last_logits(&hidden).unwrap());
                     assert!(
                         err < 1e-4,
                         "{family} gguf: {gguf}: logits relative error {err}"
