@@ -178,16 +178,31 @@ impl SharedPrefixes {
         Some(stored.page.clone())
     }
 
+    #[cfg(test)]
     pub fn contains(&self, key: PageKey) -> bool {
         self.pages().by_key.contains_key(&key)
     }
 
     /// Stores `page` under `key` if the cache budget has room for it, or
     /// makes room by evicting the least recently used page.
+    #[cfg(test)]
     pub fn store(&self, key: PageKey, page: Page) {
+        let stored = self.store_with(key, || Ok(page));
+        debug_assert!(stored.is_ok());
+    }
+
+    /// Stores the page `make` copies under `key`, if no page has that key
+    /// and the cache budget has room for one (evicting the least recently
+    /// used pages): the copy is made only then, not for every page of every
+    /// prefill while sessions hold the whole budget.
+    pub fn store_with(
+        &self,
+        key: PageKey,
+        make: impl FnOnce() -> corolla_model::Result<Page>,
+    ) -> corolla_model::Result<()> {
         let mut pages = self.pages();
         if pages.by_key.contains_key(&key) {
-            return;
+            return Ok(());
         }
         let tokens = loop {
             match self.budget.try_reserve(PAGE_POSITIONS) {
@@ -196,9 +211,11 @@ impl SharedPrefixes {
                     self.stats.evicted_pages.fetch_add(1, Ordering::Relaxed);
                 }
                 // The sessions hold the whole budget.
-                Err(_) => return,
+                Err(_) => return Ok(()),
             }
         };
+        // A failed copy drops `tokens`: the room goes back to the budget.
+        let page = make()?;
         pages.clock += 1;
         let last_used = pages.clock;
         pages.by_key.insert(
@@ -210,6 +227,7 @@ impl SharedPrefixes {
             },
         );
         self.stats.stored_pages.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Evicts pages, least recently used first, until `tokens` of the cache
@@ -267,17 +285,18 @@ impl SharedPrefixes {
     ) -> corolla_model::Result<()> {
         let first = positions.start.div_ceil(PAGE_POSITIONS);
         for index in first..positions.end / PAGE_POSITIONS {
-            let Some(key) = history.page(index).filter(|key| !self.contains(*key)) else {
+            let Some(key) = history.page(index) else {
                 continue;
             };
             let at = index * PAGE_POSITIONS;
-            let page = Page {
-                kv: cache.copy_out(at..at + PAGE_POSITIONS)?,
-                output: output
-                    .narrow(1, at - positions.start, PAGE_POSITIONS)?
-                    .force_contiguous()?,
-            };
-            self.store(key, page);
+            self.store_with(key, || {
+                Ok(Page {
+                    kv: cache.copy_out(at..at + PAGE_POSITIONS)?,
+                    output: output
+                        .narrow(1, at - positions.start, PAGE_POSITIONS)?
+                        .force_contiguous()?,
+                })
+            })?;
         }
         Ok(())
     }
@@ -367,5 +386,19 @@ mod tests {
         let _rest = budget.try_reserve(budget.free()).unwrap();
         store.store(key(4), page(4.0));
         assert_eq!(store.tokens_held(), 0);
+        // ... and no copy is made for it; a copy that fails gives its room back.
+        let copied = std::cell::Cell::new(false);
+        let made = store.store_with(key(5), || {
+            copied.set(true);
+            Ok(page(5.0))
+        });
+        assert!(made.is_ok() && !copied.get());
+        drop(_rest);
+        let free = budget.free();
+        let failed = store.store_with(key(6), || {
+            Err(corolla_model::ModelError::CachedPositionsShape)
+        });
+        assert!(failed.is_err());
+        assert_eq!((budget.free(), store.tokens_held()), (free, 0));
     }
 }
