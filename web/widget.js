@@ -683,12 +683,14 @@ export class CorollaChat extends HTMLElement {
     let frame = 0;
     const render = () => { frame = 0; renderMarkdown(bubble, text); };
     try {
-      const result = await this.#client.chat(messages, settings, (piece, tokenId) => {
-        count += 1;
-        text += piece;
+      const result = await this.#client.chat(messages, settings, (piece, tokenId, shown) => {
+        // `shown` is the whole answer so far: shorter than before when
+        // tokens were withdrawn (a server caught lying earlier in the answer).
+        if (tokenId !== undefined) count += 1;
+        text = shown;
         const follow = this.#atBottom();
         if (!frame) frame = requestAnimationFrame(() => { render(); if (follow) this.#scrollToBottom(); });
-        this.#emit('corolla-token', { piece, tokenId, count });
+        this.#emit('corolla-token', { piece, tokenId, count, text });
       });
       if (frame) cancelAnimationFrame(frame);
       const follow = this.#atBottom();

@@ -6,7 +6,7 @@
 //! the worker, so it never blocks on the head's arithmetic.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 
 use corolla_client::{ChatMessage, ClientError, TokenHead};
@@ -216,19 +216,21 @@ impl HeadWorker {
     }
 
     /// A [`TokenHead`] for one answer: the worker's sampler starts afresh.
-    /// `piece` holds the text each sampled token completes, in order, for
-    /// the loop's token callback (a multi-token step yields several).
+    /// `pieces` gets the text each sampled token completes, by the token's
+    /// position, for the loop's event callback (a multi-token step yields
+    /// several, and tokens sampled again after a re-check are not shown
+    /// again unless they changed).
     pub async fn begin<'a>(
         &'a self,
         config: &'a LlamaConfig,
         sampling: Sampling,
-        piece: &'a RefCell<VecDeque<String>>,
+        pieces: &'a RefCell<Pieces>,
     ) -> Result<WorkerHead<'a>, String> {
         self.call(&Call::Begin { sampling }, None).await?;
         Ok(WorkerHead {
             worker: self,
             config,
-            piece,
+            pieces,
         })
     }
 }
@@ -287,11 +289,14 @@ fn head_error(e: impl std::fmt::Display) -> ClientError {
     ClientError::Head(e.to_string())
 }
 
+/// The text of each sampled token, by its position in the sequence.
+pub type Pieces = BTreeMap<usize, String>;
+
 /// One answer's embedding and sampling, done by the worker.
 pub struct WorkerHead<'a> {
     worker: &'a HeadWorker,
     config: &'a LlamaConfig,
-    piece: &'a RefCell<VecDeque<String>>,
+    pieces: &'a RefCell<Pieces>,
 }
 
 impl TokenHead for WorkerHead<'_> {
@@ -333,7 +338,7 @@ impl TokenHead for WorkerHead<'_> {
             .map_err(head_error)?;
         let next: NextToken = serde_wasm_bindgen::from_value(reply.value)
             .map_err(|e| head_error(format!("a bad reply from the head worker: {e}")))?;
-        self.piece.replace(VecDeque::from([next.piece]));
+        self.pieces.borrow_mut().insert(context.len(), next.piece);
         Ok(next.token)
     }
 
@@ -364,7 +369,18 @@ impl TokenHead for WorkerHead<'_> {
                 verified.tokens.len()
             )));
         }
-        self.piece.replace(verified.pieces.into());
+        let mut pieces = self.pieces.borrow_mut();
+        for (i, piece) in verified.pieces.into_iter().enumerate() {
+            pieces.insert(context.len() + i, piece);
+        }
         Ok(verified.tokens)
+    }
+
+    async fn rewind(&mut self, kept: usize) -> Result<(), ClientError> {
+        self.worker
+            .call(&Call::Rewind { kept }, None)
+            .await
+            .map_err(head_error)?;
+        Ok(())
     }
 }

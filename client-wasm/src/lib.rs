@@ -20,13 +20,12 @@ mod swarm;
 mod worker;
 
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::time::Duration;
 
 use corolla_client::{
-    Blocks, ChatMessage, ClientError, Conversation, GenerateRequest, SessionSettings,
+    AnswerEvent, Blocks, ChatMessage, ClientError, Conversation, GenerateRequest, SessionSettings,
 };
 use corolla_model::{DType, Device, LlamaConfig, SamplingParams};
 use corolla_shared::adapter_name::check_adapter_name;
@@ -38,7 +37,7 @@ use serde::{Deserialize, Serialize};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 
-use head_worker::HeadWorker;
+use head_worker::{HeadWorker, Pieces};
 
 #[global_allocator]
 static ALLOCATOR: heap::CountingAllocator = heap::CountingAllocator;
@@ -307,8 +306,13 @@ impl CorollaClient {
     }
 
     /// Answers the conversation `messages` (`[{role, content}]`) with the
-    /// model's chat template. `on_token(piece, token_id)` sees the text as it
-    /// streams. Resolves with the answer, its route and speed. Follow-ups
+    /// model's chat template. `on_token(piece, token_id, text)` sees the
+    /// text as it streams: each token's piece, and the answer's whole text
+    /// as shown now. When tokens already shown are withdrawn (a server was
+    /// caught lying about positions already answered, and they came out
+    /// different when computed again) it is called with an empty piece, no
+    /// token id and the shorter text. Resolves with the answer, its route
+    /// and speed. Follow-ups
     /// (the same messages and more) send only what is new to the servers.
     pub fn chat(&self, messages: JsValue, settings: JsValue, on_token: Function) -> Promise {
         let inner = self.inner.clone();
@@ -392,6 +396,35 @@ impl Drop for BusyGuard<'_> {
 }
 
 /// A seed JavaScript can hold exactly (below 2^53), as the answer reports it.
+/// The answer's text as the page has been shown it, token by token.
+#[derive(Default)]
+struct ShownText {
+    text: String,
+    /// Where each token's piece ends in `text`.
+    ends: Vec<usize>,
+}
+
+impl ShownText {
+    fn tokens(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn push(&mut self, piece: &str) {
+        self.text.push_str(piece);
+        self.ends.push(self.text.len());
+    }
+
+    /// Keeps the first `kept` tokens' text.
+    fn truncate(&mut self, kept: usize) {
+        self.ends.truncate(kept);
+        self.text.truncate(self.ends.last().copied().unwrap_or(0));
+    }
+
+    fn text(&self) -> &str {
+        &self.text
+    }
+}
+
 fn fresh_seed() -> u64 {
     (js_sys::Math::random() * 9007199254740992.0) as u64
 }
@@ -437,16 +470,30 @@ async fn answer(
         drafts: settings.drafts,
     };
     let seed = sampling.seed;
-    // The text of each token the worker sampled and the loop has yet to see.
-    let piece = RefCell::new(VecDeque::new());
+    // The text of each token the worker sampled, by position.
+    let pieces = RefCell::new(Pieces::new());
+    let prompt_len = request.prompt_ids.len();
     let mut head = inner
         .head
-        .begin(&inner.config, sampling, &piece)
+        .begin(&inner.config, sampling, &pieces)
         .await
         .map_err(internal)?;
-    let on_token = |token: u32| {
-        let piece = piece.borrow_mut().pop_front().unwrap_or_default();
-        if let Err(e) = on_token.call2(&JsValue::NULL, &piece.into(), &token.into()) {
+    let mut shown = ShownText::default();
+    let on_event = |event| {
+        let (piece, token) = match event {
+            AnswerEvent::Token(token) => {
+                let position = prompt_len + shown.tokens();
+                let piece = pieces.borrow_mut().remove(&position).unwrap_or_default();
+                shown.push(&piece);
+                (piece, JsValue::from(token))
+            }
+            AnswerEvent::Withdraw { kept } => {
+                shown.truncate(kept);
+                (String::new(), JsValue::UNDEFINED)
+            }
+        };
+        let text = JsValue::from(shown.text());
+        if let Err(e) = on_token.call3(&JsValue::NULL, &piece.into(), &token, &text) {
             tracing::warn!(error = ?e, "the token callback threw");
         }
         if inner.stop.get() {
@@ -459,7 +506,7 @@ async fn answer(
     let mut conversation = inner.conversation.take();
     conversation.set_adapter(settings.adapter);
     let answer = blocks
-        .answer(&mut head, &mut conversation, &request, on_token)
+        .answer(&mut head, &mut conversation, &request, on_event)
         .await;
     inner.conversation.replace(conversation);
     let answer = answer.map_err(client_error)?;

@@ -38,6 +38,11 @@ pub enum Call {
         context: Vec<u32>,
         drafts: Vec<u32>,
     },
+    /// The answer's tokens after its first `kept` are sampled again: the
+    /// text stream forgets them.
+    Rewind {
+        kept: usize,
+    },
     Decode {
         ids: Vec<u32>,
     },

@@ -139,6 +139,7 @@ impl Host {
             Call::Begin { sampling } => self.begin(&sampling),
             Call::NextToken { context } => self.next_token(&context, data),
             Call::VerifyDrafts { context, drafts } => self.verify_drafts(&context, &drafts, data),
+            Call::Rewind { kept } => self.rewind(kept),
             Call::Decode { ids } => self.decode(&ids),
             Call::Traffic => self.traffic(),
         }
@@ -273,6 +274,18 @@ impl Host {
             })
             .collect::<Result<Vec<_>, String>>()?;
         Reply::value(&Verified { tokens, pieces })
+    }
+
+    #[inline(never)]
+    fn rewind(&self, kept: usize) -> Result<Reply, String> {
+        let part = self.part()?;
+        let mut answering = self.answering.borrow_mut();
+        let answering = answering.as_mut().ok_or("rewind before begin")?;
+        answering
+            .text
+            .truncate(&part.tokenizer, kept)
+            .map_err(|e| e.to_string())?;
+        Reply::value(&())
     }
 
     #[inline(never)]

@@ -21,7 +21,9 @@ use crate::conversation::Chain;
 pub use crate::conversation::{Conversation, CONVERSATION_LENGTH};
 use crate::draft_model::DraftModel;
 use crate::error::ClientError;
-use crate::generate::{generate_after, GenerateOutput, GenerateRequest, LocalHead, TokenHead};
+use crate::generate::{
+    generate_after, AnswerEvent, GenerateOutput, GenerateRequest, LocalHead, TokenHead,
+};
 use crate::identities::{Identities, MAX_IDENTITIES};
 use crate::local::LocalChain;
 use crate::route::Hop;
@@ -247,14 +249,14 @@ impl Assistant {
         &self,
         conversation: &mut Conversation,
         request: &GenerateRequest,
-        on_token: impl FnMut(u32) -> ControlFlow<()>,
+        on_event: impl FnMut(AnswerEvent) -> ControlFlow<()>,
     ) -> Result<Answer, ClientError> {
         let mut head = LocalHead::new(&self.part.head, &request.sampling)?;
         if let (Some(model), true) = (&self.draft, request.drafts > 0) {
             head = head.with_draft_model(model, request.max_length().max(1))?;
         }
         self.blocks
-            .answer(&mut head, conversation, request, on_token)
+            .answer(&mut head, conversation, request, on_event)
             .await
     }
 }
@@ -363,8 +365,9 @@ impl Blocks {
 
     /// Answers `request` through `conversation`: its open sessions keep the
     /// positions the prompt shares with what they hold, and only the rest is
-    /// sent. `head` embeds and samples (fresh for this request); `on_token`
-    /// sees each token as it is sampled and may stop the answer. After a
+    /// sent. `head` embeds and samples (fresh for this request); `on_event`
+    /// sees each token as it is sampled (and withdrawals, see
+    /// [`AnswerEvent`]) and may stop the answer. After a
     /// failure the conversation's chain is closed (the next answer opens a
     /// new one).
     pub async fn answer<H: TokenHead>(
@@ -372,7 +375,7 @@ impl Blocks {
         head: &mut H,
         conversation: &mut Conversation,
         request: &GenerateRequest,
-        on_token: impl FnMut(u32) -> ControlFlow<()>,
+        on_event: impl FnMut(AnswerEvent) -> ControlFlow<()>,
     ) -> Result<Answer, ClientError> {
         request.sampling.validate()?;
         let prompt = &request.prompt_ids;
@@ -403,12 +406,12 @@ impl Blocks {
         };
         conversation.cached.clear();
         let result = match &mut chain {
-            Chain::Local(local) => generate_after(head, local, request, reused, on_token)
+            Chain::Local(local) => generate_after(head, local, request, reused, on_event)
                 .await
                 .map(|out| (out, None, Vec::new(), Vec::new(), 0)),
             Chain::Remote { chain: remote, .. } => {
                 remote.rewind(reused);
-                let out = generate_after(head, remote.as_mut(), request, reused, on_token).await;
+                let out = generate_after(head, remote.as_mut(), request, reused, on_event).await;
                 let suspects = remote.take_suspects();
                 let pushed_steps = remote.take_pushed_steps();
                 out.map(|out| {

@@ -53,6 +53,13 @@ pub enum ClientError {
     },
     #[error("spot checks found wrong activations and no honest server is left for blocks {start}..{end}")]
     NoHonestServer { start: usize, end: usize },
+    /// Servers kept being caught lying about positions already answered.
+    #[error("servers were caught lying {rechecks} times in one answer; it was computed again each time and is given up")]
+    KeptLying { rechecks: usize },
+    /// Tokens already streamed were computed from a server's lies, found
+    /// out later in the answer (a stream cannot take them back).
+    #[error("a server was caught returning wrong activations after {withdrawn} streamed tokens had been computed from them; they are withdrawn: ask again (that server is avoided now)")]
+    Withdrawn { withdrawn: usize },
     /// Where the head runs apart from the loop (the page's worker).
     #[error("the client head: {0}")]
     Head(String),
@@ -79,7 +86,9 @@ impl ClientError {
             }
             ClientError::MixedQuantization { .. } => ErrorKind::ModelMismatch,
             ClientError::Refused { cause, .. } => *cause,
-            ClientError::NoHonestServer { .. } => ErrorKind::BadServer,
+            ClientError::NoHonestServer { .. }
+            | ClientError::KeptLying { .. }
+            | ClientError::Withdrawn { .. } => ErrorKind::BadServer,
             ClientError::Network(_) => ErrorKind::Unreachable,
             ClientError::Session(e) => e.kind(),
         }

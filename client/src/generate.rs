@@ -25,7 +25,35 @@ pub trait BlockChain {
     /// the next step starts at `len`. Caches may keep the old values, as
     /// later steps overwrite them and never attend past their own positions.
     fn rewind(&mut self, len: usize);
+
+    /// The first position whose output turned out, since the last call,
+    /// to have been computed from a server's lies (a spot check caught a
+    /// server, and its inputs replayed to a replacement gave other outputs
+    /// from there on), if any. The generate loop then rewinds to it and
+    /// computes everything after it again. Chains that cannot be lied to
+    /// never say so.
+    fn take_tainted(&mut self) -> Option<usize> {
+        None
+    }
 }
+
+/// What an answer shows as it is generated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerEvent {
+    /// The answer's next token.
+    Token(u32),
+    /// The answer's tokens after its first `kept` are withdrawn: they were
+    /// sampled from a server's lies, found out later in the answer, and
+    /// the tokens computed again in their place follow as `Token`s. Only
+    /// tokens that came out different are withdrawn (a token is a function
+    /// of its position's logits, see [`corolla_model::Sampler`]).
+    Withdraw { kept: usize },
+}
+
+/// Re-checks in one answer after which the generate loop gives up: each
+/// follows a server caught lying (and banned), so a swarm of that many
+/// liars on one route is not worth waiting out.
+const MAX_RECHECKS: usize = 8;
 
 /// The client's side of every generate step: embedding the input, and
 /// picking the next token from the last block's output. [`LocalHead`] runs
@@ -57,6 +85,14 @@ pub trait TokenHead {
         context: &[u32],
         drafts: &[u32],
     ) -> impl Future<Output = Result<Vec<u32>, ClientError>>;
+
+    /// Forgets the answer's tokens after its first `kept`: they are
+    /// sampled again (a head that detokenizes as it samples starts again
+    /// from there). Sampling itself keeps no state to rewind.
+    fn rewind(&mut self, kept: usize) -> impl Future<Output = Result<(), ClientError>> {
+        let _ = kept;
+        std::future::ready(Ok(()))
+    }
 
     /// Up to `k` tokens likely to follow `context` (the tokens so far), for
     /// the next step to check: prompt lookup unless the head has something
@@ -175,6 +211,11 @@ pub struct GenerateOutput {
     /// Draft tokens checked, and those accepted.
     pub drafted: usize,
     pub accepted: usize,
+    /// Times the answer was computed again from a position a server's lies
+    /// had reached (see [`BlockChain::take_tainted`]), and the tokens shown
+    /// then withdrawn because they came out different.
+    pub rechecks: usize,
+    pub withdrawn: usize,
 }
 
 impl GenerateOutput {
@@ -188,16 +229,17 @@ impl GenerateOutput {
     }
 }
 
-/// Generates up to `max_new_tokens` after the prompt. `on_token` sees each
-/// new token as soon as it is sampled and may stop the generation.
+/// Generates up to `max_new_tokens` after the prompt. `on_event` sees each
+/// new token as soon as it is sampled (and withdrawals, see
+/// [`AnswerEvent`]) and may stop the generation.
 pub async fn generate<C: BlockChain>(
     head: &ClientHead,
     chain: &mut C,
     request: &GenerateRequest,
-    on_token: impl FnMut(u32) -> ControlFlow<()>,
+    on_event: impl FnMut(AnswerEvent) -> ControlFlow<()>,
 ) -> Result<GenerateOutput, ClientError> {
     let mut head = LocalHead::new(head, &request.sampling)?;
-    generate_after(&mut head, chain, request, 0, on_token).await
+    generate_after(&mut head, chain, request, 0, on_event).await
 }
 
 /// [`generate`] on a chain whose caches already hold the first `reused`
@@ -209,7 +251,7 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
     chain: &mut C,
     request: &GenerateRequest,
     reused: usize,
-    mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+    on_event: impl FnMut(AnswerEvent) -> ControlFlow<()>,
 ) -> Result<GenerateOutput, ClientError> {
     let started = Instant::now();
     let prompt = &request.prompt_ids;
@@ -235,7 +277,8 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
     let mut generated = Vec::with_capacity(request.max_new_tokens);
     let mut prefill_time = Duration::ZERO;
     let mut stop_reason = StopReason::MaxNewTokens;
-    let (mut steps, mut drafted, mut accepted) = (0, 0, 0);
+    let (mut steps, mut drafted, mut accepted, mut rechecks) = (0, 0, 0, 0);
+    let mut shown = Shown::new(on_event);
     // Timing may shorten drafts only where it cannot change the answer.
     let greedy = request.sampling.temperature == 0.0;
     let mut draft_length = DraftLength::new(request.drafts, greedy);
@@ -249,6 +292,33 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
         let mut step = input.clone();
         step.extend_from_slice(&drafts);
         let hidden = chain.forward(head.embed(&step).await?, position).await?;
+        if let Some(tainted) = chain.take_tainted() {
+            // The tokens sampled from outputs at `tainted` and after are
+            // suspect: the caches are rewound there and what follows is
+            // computed again (the tokens shown meanwhile stay on screen
+            // until one comes out different).
+            rechecks += 1;
+            if rechecks > MAX_RECHECKS {
+                return Err(ClientError::KeptLying { rechecks });
+            }
+            let tainted = tainted.min(position);
+            let kept = (tainted + 1)
+                .saturating_sub(prompt.len())
+                .min(generated.len());
+            tracing::warn!(
+                position = tainted,
+                kept,
+                "a server lied about earlier positions: computing the answer again from there"
+            );
+            generated.truncate(kept);
+            context.truncate(prompt.len() + kept);
+            head.rewind(kept).await?;
+            chain.rewind(tainted);
+            input = context[tainted..].to_vec();
+            position = tainted;
+            drafts.clear();
+            continue;
+        }
         let tokens = if drafts.is_empty() {
             vec![head.next_token(&hidden, &context).await?]
         } else {
@@ -273,10 +343,11 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
             chain.rewind(position);
         }
         for token in tokens {
+            let flow = shown.token(generated.len(), token);
             generated.push(token);
             context.push(token);
             let last = generated.len() == request.max_new_tokens;
-            if on_token(token).is_break() {
+            if flow.is_break() {
                 stop_reason = StopReason::Cancelled;
             } else if request.stop_at_eos && eos.contains(&token) {
                 stop_reason = StopReason::EndOfSequence;
@@ -305,6 +376,9 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
             )));
         }
     }
+    // Tokens shown past where the answer now ends (an end of sequence came
+    // sooner when computed again) are withdrawn too.
+    shown.end(generated.len());
     Ok(GenerateOutput {
         prompt_ids: prompt.clone(),
         generated_ids: generated,
@@ -314,7 +388,57 @@ pub async fn generate_after<H: TokenHead, C: BlockChain>(
         steps,
         drafted,
         accepted,
+        rechecks,
+        withdrawn: shown.withdrawn,
     })
+}
+
+/// The tokens the consumer has been shown: after a re-check the tokens
+/// computed again are compared with them, and only the first that differs
+/// withdraws what follows.
+struct Shown<F> {
+    on_event: F,
+    tokens: Vec<u32>,
+    withdrawn: usize,
+}
+
+impl<F: FnMut(AnswerEvent) -> ControlFlow<()>> Shown<F> {
+    fn new(on_event: F) -> Self {
+        Shown {
+            on_event,
+            tokens: Vec::new(),
+            withdrawn: 0,
+        }
+    }
+
+    /// The answer's token at `index` (all before it settled).
+    fn token(&mut self, index: usize, token: u32) -> ControlFlow<()> {
+        match self.tokens.get(index) {
+            Some(&seen) if seen == token => return ControlFlow::Continue(()),
+            Some(_) => {
+                let flow = self.withdraw(index);
+                if flow.is_break() {
+                    return flow;
+                }
+            }
+            None => {}
+        }
+        self.tokens.push(token);
+        (self.on_event)(AnswerEvent::Token(token))
+    }
+
+    fn withdraw(&mut self, kept: usize) -> ControlFlow<()> {
+        self.withdrawn += self.tokens.len() - kept;
+        self.tokens.truncate(kept);
+        (self.on_event)(AnswerEvent::Withdraw { kept })
+    }
+
+    /// The answer ended at `len` tokens.
+    fn end(&mut self, len: usize) {
+        if self.tokens.len() > len {
+            let _ = self.withdraw(len);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -425,14 +549,14 @@ mod tests {
     fn run(
         request: &GenerateRequest,
         eos: u32,
-        on_token: impl FnMut(u32) -> ControlFlow<()>,
+        on_event: impl FnMut(AnswerEvent) -> ControlFlow<()>,
     ) -> (GenerateOutput, ToyChain) {
         let mut chain = ToyChain {
             cached: Vec::new(),
             capacity: request.max_length(),
         };
         let mut head = ToyHead(config(eos));
-        let out = block_on(generate_after(&mut head, &mut chain, request, 0, on_token)).unwrap();
+        let out = block_on(generate_after(&mut head, &mut chain, request, 0, on_event)).unwrap();
         (out, chain)
     }
 
@@ -505,7 +629,10 @@ mod tests {
         let prompt = PROMPTS[3];
         for drafts in [0, 6] {
             let mut seen = Vec::new();
-            let (out, chain) = run(&request(prompt, 40, drafts), NO_EOS, |token| {
+            let (out, chain) = run(&request(prompt, 40, drafts), NO_EOS, |event| {
+                let AnswerEvent::Token(token) = event else {
+                    panic!("{event:?} from an honest chain");
+                };
                 seen.push(token);
                 if seen.len() == 25 {
                     ControlFlow::Break(())
@@ -521,6 +648,149 @@ mod tests {
                 assert!(out.accepted > 0);
             }
         }
+    }
+
+    /// A [`ToyChain`] whose outputs at `lies` are wrong until, at the
+    /// first step starting at `found_at` or later, it tells the loop that
+    /// they were (as a remote chain does once a spot check catches the
+    /// liar and a replacement's replay disagrees from `lies.start` on).
+    struct LyingToyChain {
+        honest: ToyChain,
+        lies: std::ops::Range<usize>,
+        found_at: usize,
+        found: bool,
+    }
+
+    impl BlockChain for LyingToyChain {
+        async fn forward(&mut self, hidden: Tensor, start: usize) -> Result<Tensor, ClientError> {
+            let out = self.honest.forward(hidden, start).await?;
+            let mut rows = rows(&out);
+            if !self.found {
+                for (i, row) in rows.iter_mut().enumerate() {
+                    if self.lies.contains(&(start + i)) {
+                        *row = (*row + 1) % 9;
+                    }
+                }
+            }
+            let values: Vec<f32> = rows.iter().map(|&r| r as f32).collect();
+            Ok(Tensor::from_vec(values, (1, rows.len(), 1), &Device::Cpu).unwrap())
+        }
+
+        fn rewind(&mut self, len: usize) {
+            self.honest.rewind(len);
+        }
+
+        fn take_tainted(&mut self) -> Option<usize> {
+            let cached = self.honest.cached.len();
+            (!self.found && cached > self.found_at).then(|| {
+                self.found = true;
+                self.lies.start
+            })
+        }
+    }
+
+    /// What a consumer of the events ends up showing.
+    fn apply(shown: &mut Vec<u32>, event: AnswerEvent) {
+        match event {
+            AnswerEvent::Token(t) => shown.push(t),
+            AnswerEvent::Withdraw { kept } => {
+                assert!(
+                    kept < shown.len(),
+                    "withdrew nothing: {kept} of {}",
+                    shown.len()
+                );
+                shown.truncate(kept);
+            }
+        }
+    }
+
+    #[test]
+    fn lies_found_later_are_computed_again_and_what_changed_is_withdrawn() {
+        let prompt = PROMPTS[2];
+        let plain = rollout(prompt, 30);
+        let p = prompt.len();
+        // Lies inside the prompt (whose outputs no token is sampled from:
+        // the toy's positions do not attend to each other), on the
+        // prompt's last position, and on generated positions; found a few
+        // steps later.
+        for (lies, found_at, changed) in [
+            (2..4, p + 5, false),
+            (p - 1..p, p + 3, true),
+            (p + 4..p + 9, p + 15, true),
+        ] {
+            for drafts in [0, 6] {
+                let case = format!("lies {lies:?} found at {found_at}, drafts {drafts}");
+                let request = request(prompt, 30, drafts);
+                let mut chain = LyingToyChain {
+                    honest: ToyChain {
+                        cached: Vec::new(),
+                        capacity: request.max_length(),
+                    },
+                    lies: lies.clone(),
+                    found_at,
+                    found: false,
+                };
+                let mut shown = Vec::new();
+                let out = block_on(generate_after(
+                    &mut ToyHead(config(NO_EOS)),
+                    &mut chain,
+                    &request,
+                    0,
+                    |event| {
+                        apply(&mut shown, event);
+                        ControlFlow::Continue(())
+                    },
+                ))
+                .unwrap();
+                assert_eq!(out.generated_ids, plain, "{case}");
+                assert_eq!(shown, plain, "{case}: what the consumer shows");
+                assert_eq!(out.rechecks, 1, "{case}");
+                assert_eq!(
+                    out.withdrawn > 0,
+                    changed,
+                    "{case}: {} withdrawn",
+                    out.withdrawn
+                );
+                let fed = [prompt, &plain[..29]].concat();
+                assert_eq!(chain.honest.cached, fed, "{case}");
+            }
+        }
+    }
+
+    /// Tokens computed again that come out the same are not shown twice,
+    /// and a re-check finding the same answer withdraws nothing.
+    #[test]
+    fn a_recheck_that_changes_nothing_withdraws_nothing() {
+        let prompt = PROMPTS[1];
+        let request = request(prompt, 20, 0);
+        let mut chain = LyingToyChain {
+            honest: ToyChain {
+                cached: Vec::new(),
+                capacity: request.max_length(),
+            },
+            // An empty lie: the chain only believes it was lied to.
+            lies: 5..5,
+            found_at: 12,
+            found: false,
+        };
+        let mut events = Vec::new();
+        let out = block_on(generate_after(
+            &mut ToyHead(config(NO_EOS)),
+            &mut chain,
+            &request,
+            0,
+            |event| {
+                events.push(event);
+                ControlFlow::Continue(())
+            },
+        ))
+        .unwrap();
+        let plain = rollout(prompt, 20);
+        assert_eq!(out.generated_ids, plain);
+        assert_eq!(out.rechecks, 1);
+        assert_eq!(out.withdrawn, 0);
+        let tokens: Vec<AnswerEvent> = plain.iter().map(|&t| AnswerEvent::Token(t)).collect();
+        assert_eq!(events, tokens);
     }
 
     #[test]

@@ -46,8 +46,8 @@ pub use draft::DEFAULT_DRAFTS;
 pub use draft_model::DraftModel;
 pub use error::ClientError;
 pub use generate::{
-    generate, generate_after, BlockChain, GenerateOutput, GenerateRequest, LocalHead, StopReason,
-    TokenHead,
+    generate, generate_after, AnswerEvent, BlockChain, GenerateOutput, GenerateRequest, LocalHead,
+    StopReason, TokenHead,
 };
 pub use local::LocalChain;
 pub use route::{

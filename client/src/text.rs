@@ -112,4 +112,79 @@ impl TextStream {
         self.emitted = text.len();
         Ok(piece.filter(|p| !p.is_empty()))
     }
+
+    /// Forgets the tokens after the first `kept` (an answer's withdrawn
+    /// tokens, see [`crate::AnswerEvent`]); returns the text that had been
+    /// released beyond what the kept tokens give, which the caller takes
+    /// back. Later pieces follow on from the kept text.
+    pub fn truncate(
+        &mut self,
+        tokenizer: &TextTokenizer,
+        kept: usize,
+    ) -> Result<String, ClientError> {
+        let before = tokenizer.decode(&self.ids)?;
+        let released = before.get(..self.emitted).unwrap_or(&before);
+        self.ids.truncate(kept);
+        let after = tokenizer.decode(&self.ids)?;
+        let mut common = released
+            .char_indices()
+            .zip(after.chars())
+            .find(|((_, a), b)| a != b)
+            .map_or(released.len().min(after.len()), |((i, _), _)| i);
+        while !released.is_char_boundary(common) {
+            common -= 1;
+        }
+        self.emitted = common;
+        Ok(released[common..].to_owned())
+    }
+
+    /// The text released so far.
+    pub fn released(&self, tokenizer: &TextTokenizer) -> Result<String, ClientError> {
+        let text = tokenizer.decode(&self.ids)?;
+        Ok(text.get(..self.emitted).unwrap_or(&text).to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> TextTokenizer {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/tiny-llama-a/tokenizer.json"
+        );
+        TextTokenizer::from_file(Path::new(path)).unwrap()
+    }
+
+    /// Pieces streamed, some withdrawn, then others: what a consumer shows
+    /// (released text minus what is taken back, plus what follows) is the
+    /// kept tokens' text followed by the new ones', as if never withdrawn.
+    #[test]
+    fn withdrawn_text_is_taken_back_and_the_stream_goes_on_from_the_kept_text() {
+        let t = tokenizer();
+        let first = t
+            .encode_chat("The cat sat on the mat, then éclairs arrived")
+            .unwrap();
+        let other = t.encode_chat(" a dog barked loudly").unwrap();
+        for kept in [0, 1, first.len() / 2, first.len() - 1] {
+            let mut stream = TextStream::default();
+            let mut shown = String::new();
+            for &id in &first {
+                shown.push_str(&stream.push(&t, id).unwrap().unwrap_or_default());
+            }
+            let back = stream.truncate(&t, kept).unwrap();
+            assert!(
+                shown.ends_with(&back),
+                "kept {kept}: {back:?} is not the end of {shown:?}"
+            );
+            shown.truncate(shown.len() - back.len());
+            assert_eq!(shown, stream.released(&t).unwrap());
+            for &id in &other {
+                shown.push_str(&stream.push(&t, id).unwrap().unwrap_or_default());
+            }
+            let ids = [&first[..kept], &other[..]].concat();
+            assert_eq!(shown, t.decode(&ids).unwrap(), "kept {kept}");
+        }
+    }
 }

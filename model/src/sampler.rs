@@ -1,8 +1,9 @@
 //! Seeded token sampling: greedy, temperature, top-k, top-p and repetition
-//! penalty, on top of candle-transformers' `LogitsProcessor`.
+//! penalty, with the distributions candle-transformers' `LogitsProcessor`
+//! samples from, drawn by position (see [`Sampler`]).
 
 use candle_core::{DType, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
+use candle_transformers::generation::Sampling;
 
 use crate::error::{ModelError, Result};
 
@@ -73,26 +74,26 @@ impl SamplingParams {
     }
 }
 
-/// Picks the next token from logits; deterministic for a given seed and
-/// sequence of calls.
+/// Picks the next token from logits. A sampled token is a function of the
+/// seed, its position (the length of the context before it) and the
+/// logits alone: drawn by inverse transform from one uniform number per
+/// position, and speculative checks use that same number. So an answer is
+/// the same token for token with or without drafts, and positions computed
+/// again (a replay, a re-check after a server was caught lying) give the
+/// tokens they gave before unless their logits changed.
 pub struct Sampler {
-    processor: LogitsProcessor,
     sampling: Sampling,
     repetition_penalty: f32,
-    /// The draws of draft checks ([`Self::check_draft`]): `processor`'s
-    /// generator is private, and this one is seeded by the same seed.
-    rng: SplitMix64,
+    seed: u64,
 }
 
 impl Sampler {
     pub fn new(params: &SamplingParams) -> Result<Self> {
         params.validate()?;
-        let sampling = params.sampling();
         Ok(Sampler {
-            processor: LogitsProcessor::from_sampling(params.seed, sampling.clone()),
-            sampling,
+            sampling: params.sampling(),
             repetition_penalty: params.repetition_penalty,
-            rng: SplitMix64(params.seed ^ DRAFT_STREAM),
+            seed: params.seed,
         })
     }
 
@@ -111,20 +112,20 @@ impl Sampler {
 
     /// `logits` is `[vocab]`; `context` holds the tokens seen so far (prompt
     /// and generated), penalised when `repetition_penalty != 1`.
-    pub fn sample(&mut self, logits: &Tensor, context: &[u32]) -> Result<u32> {
-        let logits = self.penalized(logits, context)?;
+    pub fn sample(&self, logits: &Tensor, context: &[u32]) -> Result<u32> {
         if self.is_greedy() {
-            // `processor` would take candle's argmax, drawing nothing.
-            return first_argmax(&logits);
+            return first_argmax(&self.penalized(logits, context)?);
         }
-        Ok(self.processor.sample(&logits)?)
+        let probs = self.probabilities(logits, context)?;
+        pick(&probs, uniform_at(self.seed, context.len())).ok_or_else(|| {
+            ModelError::InvalidSampling("logits give no distribution to sample".into())
+        })
     }
 
     /// Whether greedy: the same logits always give the same token.
     pub fn is_greedy(&self) -> bool {
         matches!(self.sampling, Sampling::ArgMax)
     }
-
     /// The distribution [`Self::sample`] draws from for `logits` after
     /// `context` (penalty, temperature, top-k, top-p, as candle's
     /// `LogitsProcessor` computes them), over the whole vocabulary and
@@ -172,60 +173,45 @@ impl Sampler {
         Ok(probs)
     }
 
-    /// Draws a token from `probs` (weights, not necessarily normalised)
-    /// with the draft checks' random sequence; `None` if they have no mass.
-    pub fn sample_from(&mut self, probs: &[f32]) -> Option<u32> {
-        let total: f64 = probs.iter().map(|&p| f64::from(p.max(0.0))).sum();
-        if !(total.is_finite() && total > 0.0) {
-            return None;
-        }
-        let target = self.rng.next_f64() * total;
-        let mut cumulative = 0.0;
-        let mut last = None;
-        for (i, &p) in probs.iter().enumerate() {
-            if p > 0.0 {
-                cumulative += f64::from(p);
-                last = Some(i as u32);
-                if target < cumulative {
-                    return last;
-                }
-            }
-        }
-        // Rounding left the target past the sum: the last token with mass.
-        last
-    }
-
     /// Speculative sampling's check of a `draft` token proposed after
     /// `context`, where `logits` are the model's at that position: `None`
     /// accepts it, `Some(token)` rejects it and says what comes instead.
-    /// Greedy: accepted when it is the argmax, else the argmax. Sampling
-    /// (a draft that is a point mass, as prompt lookup's is): accepted with
-    /// probability p(draft), else a token drawn from p without the draft,
-    /// renormalised; so the token that results is distributed as p.
-    pub fn check_draft(
-        &mut self,
-        logits: &Tensor,
-        context: &[u32],
-        draft: u32,
-    ) -> Result<Option<u32>> {
-        if self.is_greedy() {
-            let logits = self.penalized(logits, context)?;
-            let best = first_argmax(&logits)?;
-            return Ok((best != draft).then_some(best));
-        }
-        let mut probs = self.probabilities(logits, context)?;
-        let Some(p_draft) = probs.get_mut(draft as usize) else {
-            // Not a token of this vocabulary: never what the model says.
-            return Ok(self.sample_from(&probs));
-        };
-        let accept = f64::from(*p_draft);
-        *p_draft = 0.0;
-        if self.rng.next_f64() < accept {
-            return Ok(None);
-        }
-        // No mass left without the draft: p(draft) was 1 up to rounding.
-        Ok(self.sample_from(&probs))
+    /// The token is the one [`Self::sample`] draws there, and the draft is
+    /// accepted when it is that token: so with probability p(draft) (prompt
+    /// lookup's and draft models' drafts are point masses), the token that
+    /// results is distributed as p, and drafts never change an answer.
+    pub fn check_draft(&self, logits: &Tensor, context: &[u32], draft: u32) -> Result<Option<u32>> {
+        let token = self.sample(logits, context)?;
+        Ok((token != draft).then_some(token))
     }
+}
+
+/// The token at which `probs` (weights, not necessarily normalised)
+/// accumulate past `u` times their total; `None` if they have no mass.
+fn pick(probs: &[f32], u: f64) -> Option<u32> {
+    let total: f64 = probs.iter().map(|&p| f64::from(p.max(0.0))).sum();
+    if !(total.is_finite() && total > 0.0) {
+        return None;
+    }
+    let target = u * total;
+    let mut cumulative = 0.0;
+    let mut last = None;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cumulative += f64::from(p);
+            last = Some(i as u32);
+            if target < cumulative {
+                return last;
+            }
+        }
+    }
+    // Rounding left the target past the sum: the last token with mass.
+    last
+}
+
+/// The uniform number in `[0, 1)` that decides the token at `position`.
+fn uniform_at(seed: u64, position: usize) -> f64 {
+    SplitMix64(seed ^ (position as u64).wrapping_mul(POSITION_STREAM)).next_f64()
 }
 
 /// Keeps the `k` most likely tokens (ties as candle breaks them).
@@ -255,8 +241,8 @@ fn top_p(probs: &mut [f32], p: f32) {
     }
 }
 
-/// Keeps the draft checks' stream apart from a seed's other uses.
-const DRAFT_STREAM: u64 = 0x5eed_d4af_7c0e_c4e5;
+/// Spreads positions over SplitMix64's states (an odd constant).
+const POSITION_STREAM: u64 = 0xd1b5_4a32_d192_ed03;
 
 /// SplitMix64 (Steele, Lea, Flood 2014): small, seedable, and the same on
 /// every target, which is all a sampler's uniform draws need.
@@ -306,9 +292,17 @@ mod tests {
         Tensor::new(&[0.1f32, 2.0, 1.9, -1.0, 0.5, 1.5], &Device::Cpu).unwrap()
     }
 
+    /// A context of `n` tokens: where draws happen (no penalty in these
+    /// tests, so only its length counts).
+    fn at(n: usize) -> Vec<u32> {
+        vec![0; n]
+    }
+
     fn draw(params: &SamplingParams, n: usize) -> Vec<u32> {
-        let mut s = Sampler::new(params).unwrap();
-        (0..n).map(|_| s.sample(&logits(), &[]).unwrap()).collect()
+        let s = Sampler::new(params).unwrap();
+        (0..n)
+            .map(|i| s.sample(&logits(), &at(i)).unwrap())
+            .collect()
     }
 
     #[test]
@@ -388,7 +382,7 @@ mod tests {
             repetition_penalty: 10.0,
             ..Default::default()
         };
-        let mut s = Sampler::new(&p).unwrap();
+        let s = Sampler::new(&p).unwrap();
         assert_eq!(s.sample(&logits(), &[1]).unwrap(), 2);
     }
 
@@ -466,7 +460,7 @@ mod tests {
                 2,
             ),
         ] {
-            let mut s = Sampler::new(&params).unwrap();
+            let s = Sampler::new(&params).unwrap();
             let probs = s.probabilities(&logits(), &[]).unwrap();
             assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-5);
             assert_eq!(
@@ -475,8 +469,9 @@ mod tests {
                 "{params:?}"
             );
             let mut counts = vec![0; l.len()];
-            for _ in 0..DRAWS {
-                counts[s.sample(&logits(), &[]).unwrap() as usize] += 1;
+            let positions = at(DRAWS);
+            for i in 0..DRAWS {
+                counts[s.sample(&logits(), &positions[..i]).unwrap() as usize] += 1;
             }
             let expected: Vec<f64> = probs.iter().map(|&p| f64::from(p)).collect();
             let chi = chi_square(&counts, &expected);
@@ -495,7 +490,7 @@ mod tests {
         let expected = softmax(&l, 1.0);
         // A likely draft, an unlikely one, and one outside the vocabulary.
         for (seed, draft) in [(11u64, 1u32), (12, 3), (13, 4), (14, 99)] {
-            let mut s = Sampler::new(&SamplingParams {
+            let s = Sampler::new(&SamplingParams {
                 temperature: 1.0,
                 seed,
                 ..Default::default()
@@ -503,8 +498,9 @@ mod tests {
             .unwrap();
             let mut counts = vec![0; l.len()];
             let mut accepted = 0;
-            for _ in 0..DRAWS {
-                let token = match s.check_draft(&logits(), &[], draft).unwrap() {
+            let positions = at(DRAWS);
+            for i in 0..DRAWS {
+                let token = match s.check_draft(&logits(), &positions[..i], draft).unwrap() {
                     None => {
                         accepted += 1;
                         draft
@@ -527,7 +523,7 @@ mod tests {
             );
         }
         // With top-k the residual stays inside the top k.
-        let mut s = Sampler::new(&SamplingParams {
+        let s = Sampler::new(&SamplingParams {
             temperature: 1.0,
             top_k: Some(2),
             seed: 15,
@@ -536,8 +532,12 @@ mod tests {
         .unwrap();
         let top2 = softmax(&[2.0, 1.9], 1.0);
         let mut counts = vec![0; 2];
-        for _ in 0..DRAWS {
-            let token = s.check_draft(&logits(), &[], 2).unwrap().unwrap_or(2);
+        let positions = at(DRAWS);
+        for i in 0..DRAWS {
+            let token = s
+                .check_draft(&logits(), &positions[..i], 2)
+                .unwrap()
+                .unwrap_or(2);
             assert!(token == 1 || token == 2, "{token} is outside the top 2");
             counts[token as usize - 1] += 1;
         }
@@ -546,17 +546,59 @@ mod tests {
 
     #[test]
     fn greedy_checks_accept_exactly_the_argmax() {
-        let mut s = Sampler::new(&SamplingParams::greedy()).unwrap();
+        let s = Sampler::new(&SamplingParams::greedy()).unwrap();
         assert_eq!(s.check_draft(&logits(), &[], 1).unwrap(), None);
         assert_eq!(s.check_draft(&logits(), &[], 2).unwrap(), Some(1));
         // The penalty applies with the row's own context.
-        let mut s = Sampler::new(&SamplingParams {
+        let s = Sampler::new(&SamplingParams {
             repetition_penalty: 10.0,
             ..Default::default()
         })
         .unwrap();
         assert_eq!(s.check_draft(&logits(), &[1], 2).unwrap(), None);
         assert_eq!(s.check_draft(&logits(), &[], 2).unwrap(), Some(1));
+    }
+
+    /// A token depends on the seed, its position and its logits only: the
+    /// order of calls, draws at other positions and whether it came from a
+    /// draft check change nothing (drafts cannot change an answer, and a
+    /// position computed again gives its token again).
+    #[test]
+    fn a_token_is_a_function_of_seed_position_and_logits() {
+        let params = SamplingParams {
+            temperature: 1.3,
+            top_p: Some(0.95),
+            seed: 77,
+            ..Default::default()
+        };
+        let s = Sampler::new(&params).unwrap();
+        let forward: Vec<u32> = (0..200)
+            .map(|i| s.sample(&logits(), &at(i)).unwrap())
+            .collect();
+        let other = Sampler::new(&params).unwrap();
+        for i in (0..200).rev() {
+            assert_eq!(
+                other.sample(&logits(), &at(i)).unwrap(),
+                forward[i],
+                "position {i}"
+            );
+            // A draft check there accepts exactly that token, else names it.
+            for draft in 0..6 {
+                let checked = other.check_draft(&logits(), &at(i), draft).unwrap();
+                assert_eq!(
+                    checked.unwrap_or(draft),
+                    forward[i],
+                    "position {i}, draft {draft}"
+                );
+            }
+        }
+        assert!(
+            forward
+                .iter()
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                > 2
+        );
     }
 
     #[test]

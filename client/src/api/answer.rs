@@ -20,7 +20,7 @@ use super::error::ApiError;
 use super::request::{check_coverage, fresh_seed, Job};
 use super::ApiState;
 use crate::error::ClientError;
-use crate::generate::StopReason;
+use crate::generate::{AnswerEvent, StopReason};
 use crate::stop::StopSequences;
 use crate::text::TextStream;
 use corolla_shared::ErrorKind;
@@ -28,6 +28,14 @@ use corolla_shared::ErrorKind;
 /// What the generation task reports.
 pub(super) enum Progress {
     Text(String),
+    /// Tokens already reported were withdrawn (a server caught lying about
+    /// positions already answered): the answer's text so far is `text`.
+    /// A response still being gathered starts again from it; a stream,
+    /// which cannot take text back, ends with an error.
+    Restart {
+        text: String,
+        withdrawn: usize,
+    },
     Done(Result<Finished, ApiError>),
 }
 
@@ -63,11 +71,38 @@ pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSe
     let started = Instant::now();
     let mut conversation = state.take_conversation(&job.request.prompt_ids, job.adapter.as_deref());
     let mut text = TextStream::default();
+    let stop_words = job.stops.clone();
     let mut stops = StopSequences::new(job.stops);
     let mut first_token = true;
     let mut decode_error = None;
     let tokenizer = assistant.tokenizer();
-    let mut on_token = |token| {
+    let mut shown_tokens = 0;
+    let mut on_event = |event| {
+        let token = match event {
+            AnswerEvent::Token(token) => {
+                shown_tokens += 1;
+                token
+            }
+            AnswerEvent::Withdraw { kept } => {
+                let withdrawn = shown_tokens - kept.min(shown_tokens);
+                shown_tokens = kept;
+                if let Err(e) = text.truncate(tokenizer, kept) {
+                    decode_error = Some(e);
+                    return ControlFlow::Break(());
+                }
+                // The stops start again over the kept text (it held none,
+                // or the answer would have ended there).
+                stops = StopSequences::new(stop_words.clone());
+                let kept_text = text.released(tokenizer).unwrap_or_default();
+                let (text, _) = stops.push(&kept_text);
+                let restart = Progress::Restart { text, withdrawn };
+                return if tx.send(restart).is_err() || tx.is_closed() {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                };
+            }
+        };
         if first_token {
             first_token = false;
             state.metrics.time_to_first_token(started.elapsed());
@@ -90,7 +125,7 @@ pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSe
         }
     };
     let mut result = assistant
-        .answer(&mut conversation, &job.request, &mut on_token)
+        .answer(&mut conversation, &job.request, &mut on_event)
         .await;
     // Servers cap the sessions one peer (this API) holds: the conversations
     // kept for follow-ups give theirs up for a request that needs them.
@@ -102,7 +137,7 @@ pub(super) async fn answer(state: Arc<ApiState>, job: Job, tx: mpsc::UnboundedSe
         tokio::time::sleep(Duration::from_millis(300 * tries)).await;
         assistant.forgive_busy();
         result = assistant
-            .answer(&mut conversation, &job.request, &mut on_token)
+            .answer(&mut conversation, &job.request, &mut on_event)
             .await;
     }
     let result = match (result, decode_error) {
@@ -242,6 +277,7 @@ pub(super) async fn respond(
         while let Some(progress) = rx.recv().await {
             match progress {
                 Progress::Text(piece) => text.push_str(&piece),
+                Progress::Restart { text: kept, .. } => text = kept,
                 Progress::Done(result) => {
                     let finished = result?;
                     let body = Envelope {
@@ -282,6 +318,7 @@ pub(super) async fn respond(
         (rx, first, false, Vec::<Event>::new()),
         move |(mut rx, first, done, mut queued)| {
             let chunk = chunk.clone();
+            let state = state.clone();
             async move {
                 if let Some(event) = first {
                     return Some((Ok::<_, Infallible>(event), (rx, None, done, queued)));
@@ -310,6 +347,14 @@ pub(super) async fn respond(
                         Some((Ok(event), (rx, None, true, queued)))
                     }
                     Some(Progress::Done(Err(e))) => {
+                        queued.push(Event::default().data("[DONE]"));
+                        let event = Event::default().data(e.body().to_string());
+                        Some((Ok(event), (rx, None, true, queued)))
+                    }
+                    Some(Progress::Restart { withdrawn, .. }) => {
+                        // Dropping `rx` with the stream stops the answer.
+                        let e = ApiError::from(ClientError::Withdrawn { withdrawn });
+                        state.metrics.error(e.kind());
                         queued.push(Event::default().data("[DONE]"));
                         let event = Event::default().data(e.body().to_string());
                         Some((Ok(event), (rx, None, true, queued)))

@@ -1,7 +1,10 @@
 //! Spot checks: a sampled step's output is compared with a witness's
 //! (other servers of the blocks, else the client's own copy); when they
 //! differ a third opinion decides who lied, and only a server outvoted is
-//! banned.
+//! banned. A server caught lying may have lied on steps nobody checked:
+//! its replacement's replay of the hop's history is compared with what the
+//! liar returned, and the answer is computed again from the first
+//! position where they differ (`recheck`).
 
 use std::collections::HashSet;
 
@@ -112,6 +115,43 @@ impl RemoteChain {
                 self.report(&witness_peers);
                 Ok(primary)
             }
+        }
+    }
+
+    /// After a server of hop `index` was caught lying and replaced: compares
+    /// `replayed`, the replacement's outputs for the hop's history, with
+    /// what the liar returned for it (the next hop's inputs, or the route's
+    /// outputs for the last hop). From the first entry that differs on,
+    /// the answer was computed from lies (`BlockChain::take_tainted`).
+    pub(super) fn recheck(&mut self, index: usize, replayed: &[TensorPayload]) {
+        let returned = match self.hops.get(index + 1) {
+            Some(next) => &next.history,
+            None => &self.returned,
+        };
+        let history = &self.hops[index].history;
+        let first_lie =
+            history
+                .iter()
+                .zip(replayed)
+                .enumerate()
+                .find_map(|(i, ((start, _), honest))| {
+                    let tolerance = tolerance_on_the_wire(honest.dtype, self.settings.compression);
+                    match returned.get(i) {
+                        Some((at, liar))
+                            if at == start && agree_within(liar, honest, tolerance) =>
+                        {
+                            None
+                        }
+                        _ => Some(*start as usize),
+                    }
+                });
+        if let Some(position) = first_lie {
+            tracing::warn!(
+                position,
+                hop = index,
+                "the caught server had lied unchecked before: the answer from there is computed again"
+            );
+            self.tainted = Some(self.tainted.map_or(position, |t| t.min(position)));
         }
     }
 

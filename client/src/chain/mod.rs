@@ -22,6 +22,7 @@ use corolla_model::{Device, Tensor};
 use corolla_shared::node::{NodeHandle, Via};
 use corolla_shared::protocol::OpenRequest;
 use corolla_shared::session::{RemoteSession, SessionError};
+use corolla_shared::TensorPayload;
 use libp2p::PeerId;
 use web_time::Instant;
 
@@ -47,6 +48,12 @@ pub struct RemoteChain {
     settings: SessionSettings,
     device: Device,
     hops: Vec<HopState>,
+    /// The route's output of each step, as `(start, output)`: the last
+    /// hop's counterpart of the next hop's history, for re-checks.
+    returned: Vec<(u32, TensorPayload)>,
+    /// The first position found computed from a server's lies, not yet
+    /// taken by the generate loop (`BlockChain::take_tainted`).
+    tainted: Option<usize>,
     recoveries: Vec<Recovery>,
     /// Servers spot checks caught returning wrong activations.
     suspects: Vec<String>,
@@ -92,6 +99,8 @@ impl RemoteChain {
             settings,
             device: device.clone(),
             hops: Vec::new(),
+            returned: Vec::new(),
+            tainted: None,
             recoveries: Vec::new(),
             suspects: Vec::new(),
             schedule,
@@ -191,15 +200,13 @@ impl RemoteChain {
     /// replays onto replacement servers send only what comes before it.
     pub fn rewind(&mut self, len: usize) {
         for hop in &mut self.hops {
-            hop.history.retain(|(start, _)| (*start as usize) < len);
-            if let Some((start, input)) = hop.history.last_mut() {
-                input.truncate_axis1(len - *start as usize);
-            }
+            truncate_steps(&mut hop.history, len);
             // The witness saw the cut entry whole; later steps overwrite it.
             if let Some((_, fed)) = &mut hop.witness {
                 *fed = (*fed).min(hop.history.len());
             }
         }
+        truncate_steps(&mut self.returned, len);
     }
 
     /// Sends every hop's last step again, exactly as it was sent (so the
@@ -300,6 +307,14 @@ impl RemoteChain {
     }
 }
 
+/// Drops what `steps` (`(start, rows)` per step) hold of positions `len..`.
+fn truncate_steps(steps: &mut Vec<(u32, TensorPayload)>, len: usize) {
+    steps.retain(|(start, _)| (*start as usize) < len);
+    if let Some((start, rows)) = steps.last_mut() {
+        rows.truncate_axis1(len - *start as usize);
+    }
+}
+
 fn peer_of(hop: &Hop) -> Result<PeerId, ClientError> {
     hop.peer_id
         .parse()
@@ -359,6 +374,7 @@ impl BlockChain for RemoteChain {
                 }
             }
         }
+        self.returned.push((start as u32, payload.clone()));
         self.leave_slow_servers(start).await;
         self.steps += 1;
         self.last_step_at = Instant::now();
@@ -371,5 +387,9 @@ impl BlockChain for RemoteChain {
 
     fn rewind(&mut self, len: usize) {
         RemoteChain::rewind(self, len);
+    }
+
+    fn take_tainted(&mut self) -> Option<usize> {
+        self.tainted.take()
     }
 }

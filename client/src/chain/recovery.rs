@@ -4,6 +4,7 @@
 //! new caches hold the same numbers.
 
 use corolla_shared::session::{RemoteSession, SessionError};
+use corolla_shared::TensorPayload;
 use serde::Serialize;
 use web_time::Instant;
 
@@ -53,7 +54,7 @@ impl RemoteChain {
             .map(|(hop, _)| hop.clone())
             .collect();
         match self.rebuild(index, &route).await {
-            Ok(sessions) => {
+            Ok((sessions, _)) => {
                 tracing::debug!(%error, "reopened sessions after a pause");
                 self.hops[index].sessions = sessions;
                 self.recoveries.push(Recovery {
@@ -75,7 +76,10 @@ impl RemoteChain {
         }
     }
 
-    /// Replaces the servers of hop `index` after `error`, replaying its history.
+    /// Replaces the servers of hop `index` after `error`, replaying its
+    /// history. When the server was caught lying, what the replacement
+    /// computes from that history is compared with what the liar returned
+    /// for it (`RemoteChain::recheck`).
     pub(super) async fn recover(
         &mut self,
         index: usize,
@@ -93,7 +97,10 @@ impl RemoteChain {
             attempts += 1;
             let route = self.find_route(from, to).await?;
             match self.rebuild(index, &route).await {
-                Ok(sessions) => {
+                Ok((sessions, replayed)) => {
+                    if matches!(error, SessionError::Caught { .. }) {
+                        self.recheck(index, &replayed);
+                    }
                     let old = std::mem::replace(&mut self.hops[index].sessions, sessions);
                     for (_, s) in old {
                         drop(s);
@@ -124,12 +131,13 @@ impl RemoteChain {
         }
     }
 
-    /// Opens sessions along `route` and replays hop `index`'s history through them.
+    /// Opens sessions along `route` and replays hop `index`'s history
+    /// through them; returns them with their output for each entry.
     async fn rebuild(
         &mut self,
         index: usize,
         route: &[Hop],
-    ) -> Result<Vec<(Hop, RemoteSession)>, ClientError> {
+    ) -> Result<(Vec<(Hop, RemoteSession)>, Vec<TensorPayload>), ClientError> {
         // The new sessions may push on to the next hop's server.
         let after = self
             .hops
@@ -142,15 +150,19 @@ impl RemoteChain {
             .zip(self.open_all(route, after).await?)
             .collect();
         let history = std::mem::take(&mut self.hops[index].history);
+        let mut outputs = Vec::with_capacity(history.len());
         let mut replayed = Ok(());
         for (start, input) in &history {
-            if let Err(e) = run_sessions(&self.view, &mut sessions, *start, input).await {
-                replayed = Err(e);
-                break;
+            match run_sessions(&self.view, &mut sessions, *start, input).await {
+                Ok(out) => outputs.push(out),
+                Err(e) => {
+                    replayed = Err(e);
+                    break;
+                }
             }
         }
         self.hops[index].history = history;
         replayed?;
-        Ok(sessions)
+        Ok((sessions, outputs))
     }
 }

@@ -18,10 +18,10 @@ use libp2p::Multiaddr;
 use tokio::sync::{mpsc, Notify};
 
 use super::args::{open_assistant, runtime, BlocksArgs, ModelArgs, SamplingArgs, SwarmArgs};
+use super::printer::AnswerPrinter;
 use crate::assistant::{Answer, Assistant, Conversation};
 use crate::chat::ChatMessage;
 use crate::generate::{GenerateRequest, StopReason};
-use crate::text::TextStream;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -311,23 +311,24 @@ async fn stream_answer(
     request: &GenerateRequest,
     stop: &AtomicBool,
 ) -> Result<(String, Answer)> {
-    let tokenizer = assistant.tokenizer();
-    let mut stream = TextStream::default();
-    let mut stdout = std::io::stdout();
-    let mut text = String::new();
+    let mut printer = AnswerPrinter::new(assistant.tokenizer());
+    let mut print_error = None;
     let answer = assistant
-        .answer(conversation, request, |token| {
+        .answer(conversation, request, |event| {
             if stop.load(Ordering::SeqCst) {
                 return ControlFlow::Break(());
             }
-            if let Ok(Some(piece)) = stream.push(tokenizer, token) {
-                text.push_str(&piece);
-                let _ = write!(stdout, "{piece}");
-                let _ = stdout.flush();
+            if let Err(e) = printer.show(event) {
+                print_error = Some(e);
+                return ControlFlow::Break(());
             }
             ControlFlow::Continue(())
         })
         .await?;
+    if let Some(e) = print_error {
+        return Err(e.into());
+    }
+    let text = printer.text().to_owned();
     println!();
     Ok((text, answer))
 }

@@ -4,6 +4,7 @@
 
 mod args;
 mod chat;
+mod printer;
 
 use args::*;
 pub use args::{init_runtime, SamplingArgs};
@@ -29,7 +30,6 @@ use crate::draft_model::DraftModel;
 use crate::generate::GenerateRequest;
 use crate::network::connect_with;
 use crate::route::Hop;
-use crate::text::TextStream;
 use corolla_shared::peers::parse_peer_list;
 use corolla_shared::swarm_report::{rtts_by_peer, SwarmReport};
 
@@ -353,6 +353,10 @@ struct GenerateJson<'a> {
     /// The model that proposed the drafts (prompt lookup where absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     draft_model: Option<&'a str>,
+    /// Times the answer was computed again after a server was caught lying
+    /// about earlier positions, and the tokens shown then withdrawn.
+    rechecks: usize,
+    withdrawn: usize,
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
@@ -377,25 +381,18 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     };
 
     let tokenizer = assistant.tokenizer();
-    let mut stream = TextStream::default();
-    let mut stdout = std::io::stdout().lock();
+    let mut printer = printer::AnswerPrinter::new(tokenizer);
     let mut print_error = None;
-    let on_token = |token| {
-        if args.json {
-            return ControlFlow::Continue(());
-        }
-        match stream.push(tokenizer, token) {
-            Ok(Some(piece)) => {
-                let _ = write!(stdout, "{piece}");
-                let _ = stdout.flush();
+    let on_event = |event| {
+        if !args.json {
+            if let Err(e) = printer.show(event) {
+                print_error = Some(e);
             }
-            Ok(None) => {}
-            Err(e) => print_error = Some(e),
         }
         ControlFlow::Continue(())
     };
     let mut conversation = Conversation::one_shot().with_adapter(args.adapter.clone());
-    let answer = rt.block_on(assistant.answer(&mut conversation, &request, on_token))?;
+    let answer = rt.block_on(assistant.answer(&mut conversation, &request, on_event))?;
     rt.block_on(conversation.close());
     let Answer {
         output,
@@ -428,6 +425,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             route: route.as_deref(),
             pushed_steps,
             draft_model: assistant.draft_model().map(DraftModel::name),
+            rechecks: output.rechecks,
+            withdrawn: output.withdrawn,
         };
         writeln!(stdout, "{}", serde_json::to_string(&json)?)?;
     } else {
