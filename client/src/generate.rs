@@ -78,7 +78,7 @@ pub trait TokenHead {
     /// so far) and each of `drafts`. Returns the drafts the model agrees
     /// with, in order, then its own token at the first disagreement or
     /// after the last draft ([`crate::draft::verify_drafts`]: greedy checks,
-    /// or speculative sampling that keeps the sampler's distribution).
+    /// or speculative sampling coupled to the sampler's own draw).
     fn verify_drafts(
         &mut self,
         hidden: &Tensor,
@@ -176,7 +176,8 @@ pub struct GenerateRequest {
     pub stop_at_eos: bool,
     /// The longest draft a step checks (prompt lookup,
     /// [`crate::draft`]); 0 turns multi-token steps off. Greedy output is
-    /// the same either way; sampled output keeps its distribution.
+    /// the same either way, and so is sampled output (see
+    /// [`corolla_model::Sampler`]).
     pub drafts: usize,
 }
 

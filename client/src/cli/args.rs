@@ -165,7 +165,7 @@ pub struct SamplingArgs {
     /// The longest draft a step checks: tokens copied from earlier in the
     /// conversation (prompt lookup), checked by the model in one pass, so a
     /// step can yield several tokens. The output is the same as one token
-    /// per step (greedy), or has the same distribution (sampling). 0: off.
+    /// per step, greedy or sampled (for a seed). 0: off.
     #[arg(long, default_value_t = crate::DEFAULT_DRAFTS)]
     pub drafts: usize,
 }

@@ -76,7 +76,7 @@ fn greedy_drafts_give_the_reference_tokens_in_fewer_steps() {
 }
 
 #[test]
-fn sampled_drafts_are_reproducible_and_top_1_sampling_is_greedy() {
+fn sampled_drafts_are_reproducible_change_nothing_and_top_1_sampling_is_greedy() {
     let golden = Golden::load(&tiny_llama(), "float32");
     let (head, spans) = load(&[(0, 4)]);
     let (_, three) = load(&[(0, 1), (1, 3), (3, 4)]);
@@ -91,10 +91,17 @@ fn sampled_drafts_are_reproducible_and_top_1_sampling_is_greedy() {
             ..Default::default()
         };
         let a = run_local(&head, &spans, &prompt.input_ids, sampling.clone(), 6);
-        let b = run_local(&head, &three, &prompt.input_ids, sampling, 6);
+        let b = run_local(&head, &three, &prompt.input_ids, sampling.clone(), 6);
         assert_eq!(a.generated_ids, b.generated_ids, "seed {seed}");
         assert_eq!(a.generated_ids.len(), NEW_TOKENS);
         assert_eq!(a.steps + 1 + a.accepted, NEW_TOKENS);
+        // A draft is accepted when it is the token the position's draw
+        // picks: drafts change the steps, never the answer.
+        let off = run_local(&head, &spans, &prompt.input_ids, sampling, 0);
+        assert_eq!(
+            off.generated_ids, a.generated_ids,
+            "seed {seed}: drafts changed it"
+        );
     }
     // Sampling from the top token alone takes the speculative path (accept
     // with probability p = 1) and must give greedy's tokens.
@@ -182,6 +189,12 @@ fn a_draft_model_gives_the_reference_tokens_in_few_steps_on_any_prompt() {
     let a = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, sampling(None, 5));
     let b = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, sampling(None, 5));
     assert_eq!(a.generated_ids, b.generated_ids);
+    let (head, spans) = load(&[(0, 4)]);
+    let plain = run_local(&head, &spans, &prompt.input_ids, sampling(None, 5), 0);
+    assert_eq!(
+        a.generated_ids, plain.generated_ids,
+        "the draft model changed the answer"
+    );
     let top_1 = answer_with_draft_model(&tiny_llama(), &prompt.input_ids, sampling(Some(1), 5));
     assert_eq!(top_1.generated_ids, prompt.generated_new_ids);
 }
