@@ -2,13 +2,13 @@
 # Builds the cargo-fuzz targets in fuzz/ (nightly only, from rustup) and runs
 # each one, then prints one line per target: executions, seconds, outcome.
 #
-#   scripts/fuzz.sh                 each target for 30 s (what the tests run)
+#   scripts/fuzz.sh                 each target for 30 s (the tests run 20)
 #   scripts/fuzz.sh --runs 10000000 each target for that many executions
 #   scripts/fuzz.sh --targets a,b   only these targets
 #   scripts/fuzz.sh --record        ... and writes the figures to RELIABILITY.md
 #
 # A crash stops the script with libFuzzer's report; the input lands in
-# fuzz/artifacts/TARGET/ and becomes a regression test.
+# fuzz/artifacts/TARGET/ (cargo +nightly fuzz run TARGET FILE replays it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -57,24 +57,54 @@ for t in "${targets[@]}"; do
     fi
     elapsed=$(( $(date +%s) - started ))
     execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
-    results+=("| \`$t\` | ${execs:-?} | ${elapsed} s | no crash |")
+    results+=("$t|${execs:-?}|${elapsed} s")
     echo "$t: ${execs:-?} executions in ${elapsed} s, no crash"
     rm -f "$log"
 done
 
 if [ -n "$record" ]; then
-    cmd="scripts/fuzz.sh $( [ "$runs" = -1 ] && echo "--seconds $seconds" || echo "--runs $runs" ) --record"
-    python3 - "$cmd" "$(date -u +%F)" "${results[@]}" <<'PY'
+    # Rows of the targets run now replace theirs; the other targets keep
+    # the figures (and the command) of the run that measured them.
+    cmd="scripts/fuzz.sh $( [ "$runs" = -1 ] && echo "--seconds $seconds" || echo "--runs $runs" )"
+    if [ -n "${chosen+x}" ]; then cmd="$cmd --targets $(IFS=,; echo "${chosen[*]}")"; fi
+    python3 - "$cmd --record" "$(date -u +%F)" "$(cargo +nightly fuzz --version)" "${results[@]}" <<'PY'
 import sys, re
-cmd, day, rows = sys.argv[1], sys.argv[2], sys.argv[3:]
-section = ["## Fuzzing", "", f"Command: `{cmd}` (cargo-fuzz, libFuzzer, nightly), {day}.", "",
-           "| target | executions | time | outcome |", "|---|---|---|---|", *rows, ""]
+cmd, day, version, rows = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+decodes = {
+    "tensor_payload": "the tensor payload (and its re-encoding)",
+    "protocol": "session requests and responses, pushes between servers",
+    "flow_receiver": "frames read under flow control",
+    "gguf": "GGUF header, metadata, tensor index, config, tokenizer",
+    "manifest": "the client part's manifest",
+    "server_record": "plain and signed server records",
+}
 text = open("RELIABILITY.md").read()
-new = "\n".join(section) + "\n"
-if "## Fuzzing" in text:
-    text = re.sub(r"## Fuzzing\n.*?(?=\n## |\Z)", new.rstrip("\n") + "\n", text, flags=re.S)
+old = re.search(r"## Fuzzing\n.*?(?=\n## |\Z)", text, flags=re.S)
+kept = {}
+for line in (old.group(0) if old else "").splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 6 and cells[0].startswith("`"):
+        kept[cells[0].strip("`")] = cells
+for row in rows:
+    target, execs, seconds = [c.strip() for c in row.split("|")]
+    execs = f"{int(execs):,}" if execs.isdigit() else execs
+    kept[target] = [f"`{target}`", decodes.get(target, "?"), execs, seconds,
+                    f"`{cmd}`, {day}", "no crash"]
+order = list(decodes) + sorted(set(kept) - set(decodes))
+section = ["## Fuzzing", "",
+           f"{version}, libFuzzer, nightly from rustup, one core per target, corpora kept in",
+           "`~/.cache/corolla/fuzz-corpus/`. Each row names the command and day that measured it",
+           "(`scripts/fuzz.sh ... --record` rewrites the rows of the targets it ran).", "",
+           "| target | what it decodes | executions | time | command | outcome |",
+           "|---|---|---|---|---|---|",
+           *["| " + " | ".join(kept[t]) + " |" for t in order if t in kept], "",
+           "`.ci/run` (through `scripts/test.sh`) runs every target for 20 s when a",
+           "nightly toolchain is present.", ""]
+new = "\n".join(section)
+if old:
+    text = text[:old.start()] + new + text[old.end():]
 else:
-    text = text.replace("## Not measured yet", new + "## Not measured yet")
+    text = text.rstrip("\n") + "\n\n" + new
 open("RELIABILITY.md", "w").write(text)
 PY
 fi

@@ -148,6 +148,7 @@ impl TextStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf_tokenizer::tests::{id, spm};
 
     fn tokenizer() -> TextTokenizer {
         let path = concat!(
@@ -186,5 +187,26 @@ mod tests {
             let ids = [&first[..kept], &other[..]].concat();
             assert_eq!(shown, t.decode(&ids).unwrap(), "kept {kept}");
         }
+    }
+
+    #[test]
+    fn sentencepiece_merges_follow_the_vocabulary_and_fall_back_to_bytes() {
+        let tok = TextTokenizer::from_gguf(&spm(&[])).unwrap();
+        assert_eq!(
+            tok.encode("hello world").unwrap(),
+            vec![1, id("\u{2581}hello"), id("\u{2581}world")]
+        );
+        // "é" is not a piece: its UTF-8 bytes 0xC3 0xA9 become byte tokens.
+        let ids = tok.encode("hé").unwrap();
+        assert_eq!(ids, vec![1, id("\u{2581}h"), 3 + 0xC3, 3 + 0xA9]);
+        assert_eq!(tok.decode(&ids).unwrap(), "hé");
+        assert_eq!(
+            tok.decode(&tok.encode("hello world").unwrap()).unwrap(),
+            "hello world"
+        );
+        assert_eq!(
+            tok.encode_chat("<s>hello").unwrap(),
+            vec![1, id("\u{2581}hello")]
+        );
     }
 }

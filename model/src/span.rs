@@ -190,6 +190,27 @@ impl Attention {
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         cache.keys.slice_set(k, 2, start)?;
         cache.values.slice_set(v, 2, start)?;
+        if b == 1 && t <= ROW_KERNEL_MAX_ROWS && decode_attention::supported(q.dtype(), q.device())
+        {
+            // A short step (drafts being checked, a short message) attends
+            // each position as a decode step does, so its outputs are the
+            // same bits however the positions were grouped into steps: the
+            // tokens of an answer do not depend on how many drafts each
+            // step carried (kept-quantized products turn last-bit
+            // differences into visible ones).
+            let rows = q.transpose(1, 2)?.contiguous()?.reshape((t, nh, 1, hd))?;
+            let keys = vec![&cache.keys; t];
+            let values = vec![&cache.values; t];
+            let starts: Vec<usize> = (start..start + t).collect();
+            let shape = HeadShape {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+                window: self.window,
+            };
+            let out = decode_attention::attend(&rows, &keys, &values, &starts, shape)?;
+            return Ok(out.reshape((1, t, nh * hd))?);
+        }
         let total = start + t;
         let first = match (mask, self.window) {
             (None, Some(window)) => total.saturating_sub(window),
@@ -220,6 +241,11 @@ impl Attention {
             .reshape((b, t, nh * hd))?)
     }
 }
+
+/// Steps of up to this many positions attend row by row as decode steps
+/// do (see [`Attention::attend`]); longer ones (prompts) use matrix
+/// products, whose cost grows with the square of their length.
+const ROW_KERNEL_MAX_ROWS: usize = 32;
 
 #[derive(Debug, Clone)]
 struct DecoderLayer {

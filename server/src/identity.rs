@@ -211,4 +211,32 @@ mod tests {
         assert_eq!(again.public(), key.public());
         load_or_create_certificate(Some(&path), true).unwrap();
     }
+
+    /// A damaged key or certificate stops the server with the file named,
+    /// rather than a new identity replacing the one its peers know.
+    #[test]
+    fn files_that_are_not_keys_are_refused_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("server.key");
+        std::fs::write(&path, b"not a key at all").unwrap();
+        set_mode(&path, 0o600);
+        let message = load_or_create_keypair(Some(&path), false)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("is not a libp2p key"), "{message}");
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"not a key at all");
+
+        let pem = path.with_extension("webrtc.pem");
+        std::fs::write(&pem, "-----BEGIN NOTHING-----\n").unwrap();
+        set_mode(&pem, 0o600);
+        let message = load_or_create_certificate(Some(&path), false)
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains(&pem.display().to_string()), "{message}");
+        assert_eq!(
+            std::fs::read_to_string(&pem).unwrap(),
+            "-----BEGIN NOTHING-----\n"
+        );
+    }
 }

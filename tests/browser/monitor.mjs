@@ -3,7 +3,7 @@
 // coverage bar has one segment per block, measures the layout, takes a
 // screenshot; then makes api/swarm fail and checks the page says so while
 // keeping the last data. Prints one JSON line per event on stdout (`view`,
-// `stale`, `error`, `page_errors`) for tests/tests/browser.rs. Any uncaught
+// `stale`, `error`, `page_errors`) for tests/tests/browser/monitor.rs. Any uncaught
 // page error fails the run.
 //
 // node monitor.mjs --url URL --servers N --blocks N --screenshot-dir DIR

@@ -9,8 +9,6 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-pub use crate::netns::{NetnsServer, NetnsSwarm};
-
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

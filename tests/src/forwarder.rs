@@ -5,8 +5,9 @@
 //! (many clients behind one address, on one machine).
 //! Delaying: every chunk is delivered a set time after it was read, with
 //! jitter and loss-like stalls (a slow link, since this machine's kernel
-//! has no netem). Plain threads, so it works for any protocol on top
-//! (HTTP, TLS, libp2p).
+//! has no netem), optionally leaving from an address chosen per client so
+//! the target still tells its clients' addresses apart. Plain threads, so
+//! it works for any protocol on top (HTTP, TLS, libp2p).
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -103,8 +104,15 @@ enum Mode {
         cut_after: Option<u64>,
         source: Option<IpAddr>,
     },
-    Delay(Arc<LinkShape>),
+    Delay {
+        shape: Arc<LinkShape>,
+        source: SourceRule,
+    },
 }
+
+/// The local address a forwarded connection leaves from, chosen from the
+/// client's address (`None`: the kernel's choice).
+pub type SourceRule = fn(IpAddr) -> Option<IpAddr>;
 
 /// What the forwarder's connections share with it.
 #[derive(Default)]
@@ -163,7 +171,27 @@ impl Forwarder {
         target: SocketAddr,
         shape: Arc<LinkShape>,
     ) -> io::Result<Forwarder> {
-        Self::listen(listen, target, Mode::Delay(shape))
+        Self::listen(
+            listen,
+            target,
+            Mode::Delay {
+                shape,
+                source: |_| None,
+            },
+        )
+    }
+
+    /// [`Self::delaying`], each connection leaving from the address
+    /// `source` picks for its client. Without it the target sees every
+    /// client at one address (this host's), and its per-address limits
+    /// would count a whole world of peers as one.
+    pub fn delaying_from(
+        listen: SocketAddr,
+        target: SocketAddr,
+        shape: Arc<LinkShape>,
+        source: SourceRule,
+    ) -> io::Result<Forwarder> {
+        Self::listen(listen, target, Mode::Delay { shape, source })
     }
 
     fn listen(listen: SocketAddr, target: SocketAddr, mode: Mode) -> io::Result<Forwarder> {
@@ -171,7 +199,7 @@ impl Forwarder {
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared::default());
         let shape = match &mode {
-            Mode::Delay(shape) => Some(shape.clone()),
+            Mode::Delay { shape, .. } => Some(shape.clone()),
             Mode::Cut { .. } => None,
         };
         let accept = {
@@ -189,8 +217,8 @@ impl Forwarder {
                             Mode::Cut { cut_after, source } => {
                                 forward(client, target, source, cut_after, &shared, id)
                             }
-                            Mode::Delay(shape) => {
-                                forward_delayed(client, target, shape, &shared, id)
+                            Mode::Delay { shape, source } => {
+                                forward_delayed(client, target, shape, source, &shared, id)
                             }
                         };
                         shared
@@ -360,10 +388,14 @@ fn forward_delayed(
     client: TcpStream,
     target: SocketAddr,
     shape: Arc<LinkShape>,
+    source: SourceRule,
     shared: &Arc<Shared>,
     id: usize,
 ) -> io::Result<()> {
-    let server = TcpStream::connect(target)?;
+    let server = match client.peer_addr().ok().and_then(|peer| source(peer.ip())) {
+        Some(from) => connect_from(from, target)?,
+        None => TcpStream::connect(target)?,
+    };
     // Small writes (one token's activations end in a short piece) must not
     // wait for Nagle's acknowledgement: that would add a round trip.
     client.set_nodelay(true)?;

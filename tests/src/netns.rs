@@ -5,7 +5,7 @@
 //! [`Namespace`] is the wiring alone, for worlds of many namespaces
 //! (`crate::wan`).
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -53,6 +53,22 @@ impl Namespace {
         let ns = Self::bare()?;
         ns.wire();
         Some(ns)
+    }
+
+    /// The host's end of the link of the namespace whose inside address is
+    /// `inner` (`10.202.<id>.2` -> `10.202.<id>.1`): a local address that
+    /// stands for that namespace here, e.g. as the source a forwarder
+    /// connects from on its behalf. `None` for any other address.
+    pub fn host_side_of(inner: IpAddr) -> Option<IpAddr> {
+        match inner {
+            IpAddr::V4(ip) => match ip.octets() {
+                [10, 202, id, 2] if IDS.contains(&u32::from(id)) => {
+                    Some(IpAddr::V4(Ipv4Addr::new(10, 202, id, 1)))
+                }
+                _ => None,
+            },
+            IpAddr::V6(_) => None,
+        }
     }
 
     /// A namespace with loopback up and no link out: the caller wires it

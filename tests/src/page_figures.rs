@@ -1,5 +1,5 @@
 //! The "70B-class heads in the page" section of BENCHMARKS.md, made from the
-//! figures the Chromium tests (`tests/tests/browser.rs`, `page_holds_a*`)
+//! figures the Chromium tests (`tests/tests/browser/big_heads.rs`, `page_holds_a*`)
 //! write to `tests/artifacts/page-<shape>.json`.
 
 use std::path::Path;

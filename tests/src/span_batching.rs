@@ -197,16 +197,39 @@ pub fn small_kept_quantized(
     quant: WeightQuant,
     seed: u64,
 ) -> anyhow::Result<Checkpoint> {
+    let heads = hidden / 64;
+    kept_quantized_with_heads(
+        dir,
+        name,
+        hidden,
+        intermediate,
+        (heads, heads / 2),
+        quant,
+        seed,
+    )
+}
+
+/// [`small_kept_quantized`] with `(query heads, key/value heads)` of
+/// `hidden / query heads` each (one head: as wide as the model, as in the
+/// wire-shaped model).
+pub fn kept_quantized_with_heads(
+    dir: &Path,
+    name: &str,
+    hidden: usize,
+    intermediate: usize,
+    (heads, kv_heads): (usize, usize),
+    quant: WeightQuant,
+    seed: u64,
+) -> anyhow::Result<Checkpoint> {
     let path = dir.join(format!("{name}.gguf"));
     let shape = ModelShape::Llama2_70b;
-    let heads = hidden / 64;
     let spec = RandomGguf {
         config: LlamaConfig {
             hidden_size: hidden,
             intermediate_size: intermediate,
             num_attention_heads: heads,
-            num_key_value_heads: heads / 2,
-            head_dim: 64,
+            num_key_value_heads: kv_heads,
+            head_dim: hidden / heads,
             vocab_size: 512,
             ..shape.config(2)
         },

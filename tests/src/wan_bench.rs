@@ -217,7 +217,7 @@ pub fn bench_wan(rounds: usize, new_tokens: usize) -> Result<Option<String>> {
          (as root: it makes network namespaces).\n\n\
          The wire-shaped model (`RandomGguf::wire_shaped`: Llama 2 70B's hidden size 8192, so every hop \
          carries 70B-sized activations, with one attention head, an FFN of 64 and a vocabulary of 1024; \
-         Q8_0, dequantized to f32), {SERVERS} layers: {SERVERS} servers of one layer each (and a second \
+         Q8_0, kept quantized as `--quantized auto` does), {SERVERS} layers: {SERVERS} servers of one layer each (and a second \
          server of block {REPLICATED}, for the recovery), each in its own network namespace behind a \
          delaying TCP forwarder that it announces (`--public-name`); the `corolla` CLI in another \
          namespace; the host forwards nothing between them, so every link (client to server, server to \

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::request::{check_coverage, fresh_seed, Job};
-use super::ApiState;
+use super::state::ApiState;
 use crate::error::ClientError;
 use crate::generate::{AnswerEvent, StopReason};
 use crate::stop::StopSequences;

@@ -2,10 +2,8 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
-
-use super::lock;
 
 #[derive(Default)]
 pub(super) struct Metrics {
@@ -20,11 +18,21 @@ pub(super) struct Metrics {
 
 impl Metrics {
     pub(super) fn request(&self, endpoint: &'static str) {
-        *lock(&self.requests).entry(endpoint).or_default() += 1;
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(endpoint)
+            .or_default() += 1;
     }
 
     pub(super) fn error(&self, kind: &'static str) {
-        *lock(&self.errors).entry(kind).or_default() += 1;
+        *self
+            .errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(kind)
+            .or_default() += 1;
     }
 
     pub(super) fn tokens(&self, prompt: usize, completion: usize) {
@@ -43,14 +51,24 @@ impl Metrics {
         let mut out = String::new();
         out.push_str("# HELP corolla_api_requests_total Requests by endpoint.\n");
         out.push_str("# TYPE corolla_api_requests_total counter\n");
-        for (endpoint, n) in lock(&self.requests).iter() {
+        for (endpoint, n) in self
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
             out.push_str(&format!(
                 "corolla_api_requests_total{{endpoint=\"{endpoint}\"}} {n}\n"
             ));
         }
         out.push_str("# HELP corolla_api_errors_total Failed requests by kind.\n");
         out.push_str("# TYPE corolla_api_errors_total counter\n");
-        for (kind, n) in lock(&self.errors).iter() {
+        for (kind, n) in self
+            .errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
             out.push_str(&format!(
                 "corolla_api_errors_total{{kind=\"{kind}\"}} {n}\n"
             ));

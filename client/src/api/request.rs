@@ -10,7 +10,7 @@ use corolla_shared::ErrorKind;
 use serde::Deserialize;
 
 use super::error::ApiError;
-use super::ApiState;
+use super::state::ApiState;
 use crate::chat::ChatMessage;
 use crate::error::ClientError;
 use crate::generate::GenerateRequest;

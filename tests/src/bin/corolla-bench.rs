@@ -496,7 +496,8 @@ async fn bench_recovery(
 /// generate`), on the same three-server swarm of the default model, over
 /// WebRTC-direct and WebSocket; and the page's WebAssembly size.
 fn bench_browser(model: &std::path::Path, rounds: usize) -> String {
-    use corolla_tests::browser::{browser_missing, native_chat, run_page, web_dist, NetnsSwarm};
+    use corolla_tests::browser::{browser_missing, native_chat, run_page, web_dist};
+    use corolla_tests::netns::NetnsSwarm;
     let wasm = web_dist().join("corolla-wasm_bg.wasm");
     let size = std::fs::metadata(&wasm).map(|m| m.len()).unwrap_or(0);
     let mut out = format!(

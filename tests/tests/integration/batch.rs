@@ -1,6 +1,7 @@
 //! A batched decode step equals the same steps run alone (f32 within 1e-4
-//! of the output's scale; kept quantized bit for bit), and a prefill split
-//! into chunks equals the prefill run at once.
+//! of the output's scale; kept quantized bit for bit), a short step of
+//! several positions equals them decoded one by one (kept quantized, bit for
+//! bit), and a prefill split into chunks equals the prefill run at once.
 
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_model::{BlockSpan, Checkpoint, DType, Device, SessionCache, Tensor};
@@ -160,6 +161,53 @@ fn a_kept_quantized_batched_decode_step_is_each_step_alone_bit_for_bit() {
                 bits(got) == bits(want),
                 "round {round}, session {i}: the batched output differs from the step alone by {} of the RMS",
                 relative_difference(got, want)
+            );
+        }
+    }
+}
+
+/// Kept quantized, a step of several positions of one session (drafts
+/// being checked, a short message) gives each position the bits it gets
+/// decoded alone: an answer's tokens do not depend on how many positions
+/// each of its steps carried (the WAN benchmark's drafting client once
+/// answered otherwise than the same client run locally).
+#[test]
+fn a_kept_quantized_step_of_several_positions_is_each_position_alone_bit_for_bit() {
+    use corolla_model::random_gguf::WeightQuant;
+    use corolla_tests::span_batching::kept_quantized_with_heads;
+    const WIDTH: usize = 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        values.into_iter().map(f32::to_bits).collect()
+    };
+    // Heads of 64 (grouped, two per KV head) and one head as wide as the
+    // model (the wire-shaped model's: long dot products are where summation
+    // orders part).
+    for (quant, heads) in [(WeightQuant::Q8_0, (1, 1)), (WeightQuant::Q4_1, (16, 8))] {
+        let name = format!("{quant:?}-{}-heads", heads.0);
+        let checkpoint =
+            kept_quantized_with_heads(dir.path(), &name, WIDTH, 256, heads, quant, 5).unwrap();
+        let span = BlockSpan::load(&checkpoint, 0, 2, DType::F32, &Device::Cpu).unwrap();
+        let prompt = hidden_of_width(9, WIDTH, 3);
+        for positions in [2, 5, 17, 32] {
+            let step = hidden_of_width(positions, WIDTH, 11);
+            let mut together = span.new_cache(64).unwrap();
+            span.forward(&prompt, 0, &mut together).unwrap();
+            let got = span.forward(&step, 9, &mut together).unwrap();
+            let mut alone = span.new_cache(64).unwrap();
+            span.forward(&prompt, 0, &mut alone).unwrap();
+            let one_by_one: Vec<Tensor> = (0..positions)
+                .map(|j| {
+                    let row = step.narrow(1, j, 1).unwrap();
+                    span.forward(&row, 9 + j, &mut alone).unwrap()
+                })
+                .collect();
+            let want = Tensor::cat(&one_by_one, 1).unwrap();
+            assert!(
+                bits(&got) == bits(&want),
+                "{quant:?}, {heads:?} heads, a step of {positions}: differs from the positions alone by {} of the RMS",
+                relative_difference(&got, &want)
             );
         }
     }

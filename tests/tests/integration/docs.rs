@@ -10,7 +10,7 @@ use std::process::Command;
 
 use corolla_tests::{corolla_bin, corolla_server_bin};
 
-/// Flags README.md names that belong to other tools, with where from.
+/// Flags the documents name that belong to other tools, with where from.
 const OTHER_TOOLS: &[&str] = &[
     // cargo
     "--bin",
@@ -27,6 +27,12 @@ const OTHER_TOOLS: &[&str] = &[
     "--env",
     // certbot
     "--standalone",
+    // the test harness (`cargo test -- --nocapture`)
+    "--nocapture",
+    // scripts/fuzz.sh
+    "--record",
+    "--runs",
+    "--targets",
 ];
 
 fn repo_root() -> PathBuf {
@@ -184,6 +190,103 @@ fn every_flag_the_documents_name_exists() {
     let accepted = accepted_flags();
     for (name, text) in user_documents() {
         check_flags_exist(&name, &text, &accepted);
+    }
+}
+
+/// RELIABILITY.md names the flags of its attacks and the tests that prove
+/// each defence: both must still exist, or the claim has lost its proof.
+#[test]
+fn reliability_names_flags_and_tests_that_exist() {
+    let root = repo_root();
+    let text = std::fs::read_to_string(root.join("RELIABILITY.md")).expect("RELIABILITY.md");
+    check_flags_exist("RELIABILITY.md", &text, &accepted_flags());
+    let mut sources = Vec::new();
+    for krate in [
+        "shared",
+        "model",
+        "server",
+        "client",
+        "client-wasm",
+        "http",
+        "tests",
+    ] {
+        rust_files(&root.join(krate), &mut sources);
+    }
+    let sources: Vec<(String, String)> = sources
+        .into_iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap_or_default();
+            (
+                p.strip_prefix(&root).unwrap_or(&p).display().to_string(),
+                text,
+            )
+        })
+        .collect();
+    let cited = cited_tests(&text);
+    assert!(cited.len() >= 20, "too few tests found cited: {cited:?}");
+    let missing: Vec<&String> = cited
+        .iter()
+        .filter(|path| !test_exists(path, &sources))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "RELIABILITY.md cites tests that no longer exist: {missing:?}"
+    );
+}
+
+/// Backticked Rust paths (`area::test_name`, `module::tests`).
+fn cited_tests(text: &str) -> BTreeSet<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| {
+            s.contains("::")
+                && s.split("::").all(|part| {
+                    !part.is_empty()
+                        && part
+                            .chars()
+                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                })
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// `a::b::name` exists when a file whose path names `b` (a module) holds
+/// `fn name` (a test) or, for `name` = `tests`, a test module; a cited
+/// prefix such as `faults::a_leaving` matches the tests it filters.
+fn test_exists(path: &str, sources: &[(String, String)]) -> bool {
+    let parts: Vec<&str> = path.split("::").collect();
+    let (last, modules) = parts.split_last().expect("a path has parts");
+    let in_module = |file: &str| {
+        let file = file.trim_end_matches(".rs");
+        modules.iter().filter(|m| **m != "tests").all(|m| {
+            file.split('/')
+                .any(|part| part == *m || (*m == "integration" && part == "tests"))
+        })
+    };
+    sources.iter().any(|(file, text)| {
+        in_module(file)
+            && if *last == "tests" {
+                text.contains("mod tests")
+            } else {
+                text.contains(&format!("fn {last}"))
+            }
+    })
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+        if path.is_dir() {
+            if !path.ends_with("target") && !path.ends_with("node_modules") {
+                rust_files(&path, out);
+            }
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
     }
 }
 

@@ -5,7 +5,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-const CRATES: [&str; 5] = ["shared", "model", "server", "client", "client-wasm"];
+const CRATES: [&str; 6] = [
+    "shared",
+    "model",
+    "server",
+    "client",
+    "client-wasm",
+    "tests",
+];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
