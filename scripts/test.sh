@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every Corolla test on a fresh or warm machine. Installs what it needs
 # first and skips whatever is already there, so it is safe to run again.
-# Expected time on 2 cores: ~10 minutes warm; cold (a fresh machine, tools
-# included) see README.md.
+# Expected time on 2 cores: ~9 minutes warm (a fresh clone of a commit
+# built before), ~36 with nothing built; see docs/setup.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
