@@ -6,6 +6,11 @@
 // answers into the page. Markup and CSS live in an open shadow root, so the element can be
 // dropped into any page. Attributes, properties, events and the test hooks are documented in
 // web/README.md.
+//
+// Over 600 lines because it is one custom element's behaviour, one class with private fields
+// (a class cannot be split across modules); its look is widget-view.js, the Markdown renderer
+// markdown.js. The helpers above the class (errors, addresses, the wasm loader) are the piece to
+// move out next.
 
 import { renderMarkdown } from './markdown.js';
 import { TEMPLATE } from './widget-view.js';

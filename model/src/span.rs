@@ -2,6 +2,11 @@
 //!
 //! Weights are shared by every session; each session owns a [`SessionCache`]
 //! (`kv_cache.rs`) preallocated for its maximum length, written in place at each step.
+//!
+//! Over 600 lines because attention, the layer and the span are read top to
+//! bottom as one forward pass (as candle's model files are); the batched
+//! decode attention is apart (`decode_attention.rs`). Attention would be the
+//! piece to move out next.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
