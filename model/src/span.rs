@@ -152,12 +152,7 @@ impl Attention {
             }
             let keys: Vec<&Tensor> = caches.iter().map(|c| &c.keys).collect();
             let values: Vec<&Tensor> = caches.iter().map(|c| &c.values).collect();
-            let shape = HeadShape {
-                heads: nh,
-                kv_heads: nkv,
-                head_dim: hd,
-                window: self.window,
-            };
+            let shape = self.head_shape();
             let out = decode_attention::attend(&q, &keys, &values, starts, shape)?;
             return self.output(&out, loras);
         }
@@ -168,6 +163,16 @@ impl Attention {
         }
         let out = Tensor::cat(&rows, 0)?.reshape((b, nh * hd))?;
         self.output(&out, loras)
+    }
+
+    /// The heads as the row-by-row attention kernel takes them.
+    fn head_shape(&self) -> HeadShape {
+        HeadShape {
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            window: self.window,
+        }
     }
 
     /// Queries and keys (`[b, heads, t, hd]`) through the head norms, where the model has them.
@@ -207,12 +212,7 @@ impl Attention {
             let keys = vec![&cache.keys; t];
             let values = vec![&cache.values; t];
             let starts: Vec<usize> = (start..start + t).collect();
-            let shape = HeadShape {
-                heads: nh,
-                kv_heads: nkv,
-                head_dim: hd,
-                window: self.window,
-            };
+            let shape = self.head_shape();
             let out = decode_attention::attend(&rows, &keys, &values, &starts, shape)?;
             return Ok(out.reshape((1, t, nh * hd))?);
         }

@@ -210,7 +210,7 @@ fn reliability_names_flags_and_tests_that_exist() {
         "http",
         "tests",
     ] {
-        rust_files(&root.join(krate), &mut sources);
+        crate::structure::rust_files(&root.join(krate), &mut sources);
     }
     let sources: Vec<(String, String)> = sources
         .into_iter()
@@ -273,21 +273,6 @@ fn test_exists(path: &str, sources: &[(String, String)]) -> bool {
                 text.contains(&format!("fn {last}"))
             }
     })
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
-        if path.is_dir() {
-            if !path.ends_with("target") && !path.ends_with("node_modules") {
-                rust_files(&path, out);
-            }
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 fn check_flags_exist(name: &str, text: &str, accepted: &BTreeSet<String>) {

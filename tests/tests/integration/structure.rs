@@ -14,11 +14,16 @@ const CRATES: [&str; 6] = [
     "tests",
 ];
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
+/// The `.rs` files under `dir` (build output and npm packages left out).
+pub(crate) fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
         if path.is_dir() {
-            rust_files(&path, out);
+            if !path.ends_with("target") && !path.ends_with("node_modules") {
+                rust_files(&path, out);
+            }
         } else if path.extension().is_some_and(|e| e == "rs") {
             out.push(path);
         }
