@@ -7,6 +7,7 @@
 use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::quant::parallel::{self, OutPtr};
 
 /// Heads of one attention layer.
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +34,24 @@ pub(crate) fn attend(
     starts: &[usize],
     shape: HeadShape,
 ) -> Result<Tensor> {
+    let q = q.flatten_all()?.to_vec1::<f32>()?;
+    let out = attend_rows(&q, keys, values, starts, shape)?;
+    Ok(Tensor::from_vec(
+        out,
+        (starts.len(), shape.heads * shape.head_dim),
+        &Device::Cpu,
+    )?)
+}
+
+/// [`attend`] of query rows of plain f32 (`q`: `[B, heads, head_dim]`):
+/// `[B, heads * head_dim]` values.
+pub(crate) fn attend_rows(
+    q: &[f32],
+    keys: &[&Tensor],
+    values: &[&Tensor],
+    starts: &[usize],
+    shape: HeadShape,
+) -> Result<Vec<f32>> {
     let HeadShape {
         heads,
         kv_heads,
@@ -40,40 +59,127 @@ pub(crate) fn attend(
         window,
     } = shape;
     let b = starts.len();
-    let q = q.flatten_all()?.to_vec1::<f32>()?;
     if q.len() != b * heads * head_dim || keys.len() != b || values.len() != b {
         return Err(ModelError::BatchMismatch);
     }
     let group = heads / kv_heads.max(1);
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut out = vec![0f32; b * heads * head_dim];
-    let mut scores = Vec::new();
-    for (i, &start) in starts.iter().enumerate() {
+    // Each session's cache, read in place (the guards outlive the work);
+    // a step of several positions passes one session's cache for each, and
+    // its lock is read once.
+    let mut distinct: Vec<&Tensor> = Vec::new();
+    let which: Vec<usize> = keys
+        .iter()
+        .map(|k| match distinct.iter().position(|d| d.id() == k.id()) {
+            Some(at) => at,
+            None => {
+                distinct.push(k);
+                distinct.len() - 1
+            }
+        })
+        .collect();
+    let value_of = |at: usize| which.iter().position(|&w| w == at).map(|i| values[i]);
+    let guards: Vec<_> = distinct
+        .iter()
+        .enumerate()
+        .map(|(at, k)| {
+            let v = value_of(at).ok_or(ModelError::BatchMismatch)?;
+            Ok((k.storage_and_layout(), v.storage_and_layout()))
+        })
+        .collect::<Result<_>>()?;
+    let mut caches = Vec::with_capacity(b);
+    for (&at, &start) in which.iter().zip(starts) {
+        let (k_guard, v_guard) = &guards[at];
         let seen = start + 1;
-        let first = window.map_or(0, |w| seen.saturating_sub(w));
-        let k_guard = keys[i].storage_and_layout();
-        let v_guard = values[i].storage_and_layout();
-        let k = cached_rows(&k_guard.0, k_guard.1, kv_heads, seen, head_dim)?;
-        let v = cached_rows(&v_guard.0, v_guard.1, kv_heads, seen, head_dim)?;
-        let capacity = k_guard.1.dims()[2];
-        for h in 0..heads {
-            let kv = h / group;
-            let q_row = &q[(i * heads + h) * head_dim..][..head_dim];
-            let base = kv * capacity * head_dim;
-            scores.clear();
-            scores.extend(
-                (first..seen).map(|t| dot(q_row, &k[base + t * head_dim..][..head_dim]) * scale),
-            );
-            softmax(&mut scores);
-            let o = &mut out[(i * heads + h) * head_dim..][..head_dim];
-            for (t, &p) in (first..).zip(scores.iter()) {
-                for (o, &x) in o.iter_mut().zip(&v[base + t * head_dim..][..head_dim]) {
-                    *o += p * x;
-                }
+        caches.push(Cached {
+            keys: cached_rows(&k_guard.0, k_guard.1, kv_heads, seen, head_dim)?,
+            values: cached_rows(&v_guard.0, v_guard.1, kv_heads, seen, head_dim)?,
+            capacity: k_guard.1.dims()[2],
+            first: window.map_or(0, |w| seen.saturating_sub(w)),
+            seen,
+        });
+    }
+    let mut out = vec![0f32; b * heads * head_dim];
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let attend_heads = |units: std::ops::Range<usize>| {
+        let mut scores = Vec::new();
+        for unit in units {
+            let (i, h) = (unit / heads, unit % heads);
+            let cache = &caches[i];
+            let base = (h / group) * cache.capacity * head_dim;
+            let seen = base + cache.first * head_dim..base + cache.seen * head_dim;
+            let q_row = &q[unit * head_dim..][..head_dim];
+            // SAFETY: unit `unit` alone writes `out[unit * head_dim..][..head_dim]`,
+            // inside `out` (b * heads units).
+            let o = unsafe { out_ptr.slice(unit * head_dim, head_dim) };
+            let head = Head {
+                q: q_row,
+                keys: &cache.keys[seen.clone()],
+                values: &cache.values[seen],
+                scale,
+            };
+            head.attend(&mut scores, o);
+        }
+    };
+    let work = caches.iter().map(|c| c.seen - c.first).sum::<usize>() * heads * head_dim * 2;
+    parallel::split(b * heads, work, attend_heads);
+    drop(guards);
+    Ok(out)
+}
+
+/// A session's cached keys and values (`[kv_heads, capacity, head_dim]`)
+/// and the positions its new one sees.
+struct Cached<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    capacity: usize,
+    first: usize,
+    seen: usize,
+}
+
+/// One query head against the positions it sees of its KV head.
+struct Head<'a> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    scale: f32,
+}
+
+impl Head<'_> {
+    /// Writes the head's output into `out` (`head_dim` values, zeroed).
+    fn attend(&self, scores: &mut Vec<f32>, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { self.attend_avx2(scores, out) };
+        }
+        self.attend_plain(scores, out)
+    }
+
+    /// The same code compiled for AVX2: eight lanes where the plain build
+    /// has four, and the same bits (the compiler may not reorder float sums).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn attend_avx2(&self, scores: &mut Vec<f32>, out: &mut [f32]) {
+        self.attend_plain(scores, out)
+    }
+
+    #[inline(always)]
+    fn attend_plain(&self, scores: &mut Vec<f32>, out: &mut [f32]) {
+        let head_dim = self.q.len();
+        scores.clear();
+        // Loops, not iterator adapters: an adapter's `fold` is a function
+        // of its own, compiled without the caller's AVX2.
+        for k in self.keys.chunks_exact(head_dim) {
+            scores.push(dot(self.q, k) * self.scale);
+        }
+        softmax(scores);
+        for (&p, v) in scores.iter().zip(self.values.chunks_exact(head_dim)) {
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o += p * x;
             }
         }
     }
-    Ok(Tensor::from_vec(out, (b, heads * head_dim), &Device::Cpu)?)
 }
 
 /// The f32 contents of a contiguous `[1, kv_heads, capacity, head_dim]`
@@ -104,6 +210,7 @@ fn cached_rows<'a>(
         .ok_or(ModelError::CacheLayout)
 }
 
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums let the compiler keep them in one vector register.
     let mut acc = [0f32; 8];
@@ -122,6 +229,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+#[inline(always)]
 fn softmax(scores: &mut [f32]) {
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;

@@ -43,6 +43,10 @@ const QWEN3_MOE: Naming = Naming {
 };
 
 impl Experts {
+    pub(crate) fn multiplied_by_candle(&self) -> bool {
+        self.router.multiplied_by_candle() || self.experts.iter().any(Mlp::multiplied_by_candle)
+    }
+
     pub(crate) fn load(layer: &Weights, cfg: &LlamaConfig, spec: &ExpertConfig) -> Result<Self> {
         let (h, i, count) = (cfg.hidden_size, spec.intermediate_size, spec.count);
         let naming = if layer.contains(&format!("{}.gate.weight", MIXTRAL.block)) {

@@ -24,6 +24,13 @@ impl FeedForward {
         })
     }
 
+    pub(crate) fn multiplied_by_candle(&self) -> bool {
+        match self {
+            Self::Dense(mlp) => mlp.multiplied_by_candle(),
+            Self::Experts(experts) => experts.multiplied_by_candle(),
+        }
+    }
+
     /// `x`: rows of the hidden size, under any leading dimensions. Adapters
     /// change a dense MLP only ([`crate::lora::SpanAdapter`] refuses
     /// others for a mixture).

@@ -3,14 +3,16 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, RmsNorm};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::Embedding;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::LlamaConfig;
 use crate::embeddings::{RowFetch, RowFormat, TokenEmbeddings};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
+use crate::norm::Norm;
+use crate::pool::ComputePool;
 use crate::span::rms_norm;
 use crate::tensor_names::{EMBED_TOKENS, LM_HEAD};
 use crate::weight_file::RawDType;
@@ -22,11 +24,14 @@ fn is_quantized(dtype: GgmlDType) -> bool {
 #[derive(Debug, Clone)]
 pub struct ClientHead {
     embed_tokens: Arc<TokenEmbeddings>,
-    norm: RmsNorm,
+    norm: Norm,
     lm_head: Linear,
     config: LlamaConfig,
     dtype: DType,
     device: Device,
+    /// The LM head's product is a decode step's largest (49152 x 576 for the
+    /// default model): it runs on threads that stay warm, as a span's do.
+    pool: ComputePool,
 }
 
 impl ClientHead {
@@ -133,6 +138,10 @@ impl ClientHead {
     ) -> Result<Self> {
         let cfg = checkpoint.config();
         let w = checkpoint.weights(dtype, device);
+        let pool = match device.is_cpu() {
+            true => ComputePool::new(lm_head.multiplied_by_candle()),
+            false => ComputePool::default(),
+        };
         Ok(ClientHead {
             embed_tokens: Arc::new(embed_tokens),
             norm: rms_norm(&w, "model.norm", cfg)?,
@@ -140,6 +149,7 @@ impl ClientHead {
             config: cfg.clone(),
             dtype,
             device: device.clone(),
+            pool,
         })
     }
 
@@ -188,11 +198,15 @@ impl ClientHead {
 
     /// The final RMSNorm of the last layer's output.
     pub fn final_norm(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.norm.forward(&hidden.to_dtype(self.dtype)?)?)
+        self.norm.forward(&hidden.to_dtype(self.dtype)?)
     }
 
     /// Logits for every position: `[1, T, hidden]` -> `[1, T, vocab]` in f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.pool.run(|| self.logits_here(hidden))
+    }
+
+    fn logits_here(&self, hidden: &Tensor) -> Result<Tensor> {
         let normed = self.final_norm(hidden)?;
         Ok(self.lm_head.forward(&normed)?.to_dtype(DType::F32)?)
     }

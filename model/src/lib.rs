@@ -30,6 +30,7 @@ mod lora;
 mod mlp;
 #[cfg(feature = "generators")]
 mod model_shape;
+mod norm;
 mod pool;
 mod quant;
 pub mod quantized_buffer;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::error::Result;
@@ -80,6 +80,18 @@ impl Linear {
         })
     }
 
+    /// Whether candle multiplies this weight (dense, or a quantized format
+    /// Corolla's kernels do not cover): its products want rayon's threads.
+    pub fn multiplied_by_candle(&self) -> bool {
+        !matches!(
+            self,
+            Linear::Quantized {
+                weight: QuantizedWeight::Blocks(_),
+                ..
+            }
+        )
+    }
+
     /// Loads `weight` (`[out_dim, in_dim]`) and, if asked, `bias` under `w`.
     pub fn load(w: &Weights, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
         let bias = if bias {
@@ -91,6 +103,31 @@ impl Linear {
             Some(q) => Self::quantized(q, bias),
             None => Ok(Self::dense(w.get("weight", &[out_dim, in_dim])?, bias)),
         }
+    }
+
+    /// [`Self::forward`] of `rows` rows of plain f32 (`x`: `[rows, in]`),
+    /// with the same bits: Corolla's kernels take the rows as they are,
+    /// anything else goes through a tensor.
+    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let Linear::Quantized {
+            weight: QuantizedWeight::Blocks(matrix),
+            bias,
+        } = self
+        else {
+            let input = Tensor::from_slice(x, (rows, x.len() / rows.max(1)), &Device::Cpu)?;
+            return Ok(self.forward(&input)?.flatten_all()?.to_vec1()?);
+        };
+        let mut y = vec![0f32; rows * matrix.rows()];
+        matrix.matmul(x, rows, &mut y)?;
+        if let Some(bias) = bias {
+            let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            for row in y.chunks_exact_mut(bias.len()) {
+                for (y, b) in row.iter_mut().zip(&bias) {
+                    *y += b;
+                }
+            }
+        }
+        Ok(y)
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -185,6 +222,44 @@ impl<const N: usize> Projections<N> {
         Ok(Projections::Separate(parts.try_into().unwrap_or_else(
             |_| unreachable!("one layer per projection"),
         )))
+    }
+
+    pub fn multiplied_by_candle(&self) -> bool {
+        match self {
+            Projections::Stacked { linear, .. } => linear.multiplied_by_candle(),
+            Projections::Separate(parts) => parts.iter().any(Linear::multiplied_by_candle),
+        }
+    }
+
+    /// [`Self::forward`] of `rows` rows of plain f32: each projection's
+    /// `[rows, width]` values.
+    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<[Vec<f32>; N]> {
+        let outputs: Vec<Vec<f32>> = match self {
+            Projections::Separate(parts) => parts
+                .iter()
+                .map(|p| p.forward_rows(x, rows))
+                .collect::<Result<_>>()?,
+            Projections::Stacked { linear, widths } => {
+                let y = linear.forward_rows(x, rows)?;
+                let total: usize = widths.iter().sum();
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y
+                            .chunks_exact(total)
+                            .flat_map(|row| &row[at..at + w])
+                            .copied()
+                            .collect();
+                        at += w;
+                        part
+                    })
+                    .collect()
+            }
+        };
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection")))
     }
 
     /// Each projection of `x`, in the order they were given.

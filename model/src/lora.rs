@@ -220,6 +220,28 @@ impl<'a> RowLoras<'a> {
         }
     }
 
+    pub(crate) fn is_none(&self) -> bool {
+        matches!(self, RowLoras::None)
+    }
+
+    /// [`Self::add`] for rows of plain f32 (`x`: `rows` rows; `y`: the
+    /// base projection `target` of `x`, `rows` rows too).
+    pub(crate) fn add_rows(
+        &self,
+        target: Target,
+        x: &[f32],
+        rows: usize,
+        y: Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        if self.is_none() {
+            return Ok(y);
+        }
+        let x = Tensor::from_slice(x, (rows, x.len() / rows), &Device::Cpu)?;
+        let width = y.len() / rows;
+        let y = Tensor::from_vec(y, (rows, width), &Device::Cpu)?;
+        Ok(self.add(target, &x, y)?.flatten_all()?.to_vec1()?)
+    }
+
     /// `y` (the base projection `target` of `x`) plus each row's adapter's change.
     pub(crate) fn add(&self, target: Target, x: &Tensor, y: Tensor) -> Result<Tensor> {
         let pair = |layer: &'a LayerLora| layer.pairs[target.index()].as_ref();

@@ -35,6 +35,30 @@ impl Mlp {
         })
     }
 
+    pub(crate) fn multiplied_by_candle(&self) -> bool {
+        self.gate_up.multiplied_by_candle() || self.down_proj.multiplied_by_candle()
+    }
+
+    /// [`Self::forward`] of `rows` rows of plain f32, with the same bits.
+    pub(crate) fn forward_rows(
+        &self,
+        x: &[f32],
+        rows: usize,
+        loras: &RowLoras,
+    ) -> Result<Vec<f32>> {
+        let [gate, up] = self.gate_up.forward_rows(x, rows)?;
+        let gate = loras.add_rows(Target::Gate, x, rows, gate)?;
+        let up = loras.add_rows(Target::Up, x, rows, up)?;
+        // Candle's SiLU of f32, then the product: the same two roundings.
+        let gated: Vec<f32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        let down = self.down_proj.forward_rows(&gated, rows)?;
+        loras.add_rows(Target::Down, &gated, rows, down)
+    }
+
     pub(crate) fn forward(&self, x: &Tensor, loras: &RowLoras) -> Result<Tensor> {
         let [gate, up] = self.gate_up.forward(x)?;
         let gate = loras.add(Target::Gate, x, gate)?;

@@ -1,13 +1,21 @@
-//! Where a span's math runs: a thread pool of its own.
+//! Where a span's math runs: a thread pool and a gang of its own.
 
-/// A span's thread pool: its forward passes run on one of the pool's
-/// threads while the caller waits. The products inside then split their
-/// work with the thread they run on instead of handing all of it to woken
-/// workers and sleeping, and the workers stay warm between one product and
-/// the next: measured on 2 cores, a decode step of the default model's 30
-/// kept-quantized blocks took 2.7 ms against 6.3 ms called from a thread
-/// outside a pool (the server's compute thread, a client's generate loop),
-/// and 16 sessions' step 26 ms against 42 ms (dequantized: 60 against 92).
+#[cfg(not(target_arch = "wasm32"))]
+mod gang;
+
+/// A span's threads: its forward passes run on a thread of its rayon pool
+/// while the caller waits, and the products of Corolla's kernels inside
+/// share their items with the span's [`gang::Gang`], whose workers spin
+/// between one product and the next of a forward. Measured on 2 cores, a
+/// decode step of the default model's 30 kept-quantized blocks took 2.7 ms
+/// in a rayon pool against 6.3 ms called from a thread outside a pool (the
+/// server's compute thread, a client's generate loop).
+///
+/// The rayon pool is for candle's own parallel math (a dense span's
+/// products, a long prompt's attention). A span whose weights Corolla's
+/// kernels multiply gets a pool of one thread: idle rayon workers spin by
+/// yielding the core, and with the gang's workers busy they took turns with
+/// them (60 context switches a decode step of 30 blocks).
 ///
 /// A pool per span, not rayon's global one: a forward holds a pool thread
 /// for its whole run, and a pool thread waiting for its products' parts
@@ -18,34 +26,97 @@
 pub(crate) struct ComputePool {
     #[cfg(not(target_arch = "wasm32"))]
     pool: Option<std::sync::Arc<rayon::ThreadPool>>,
+    #[cfg(not(target_arch = "wasm32"))]
+    gang: Option<std::sync::Arc<gang::Gang>>,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+thread_local! {
+    /// The gang of the forward this thread runs, if any.
+    static CURRENT_GANG: std::cell::RefCell<Option<std::sync::Arc<gang::Gang>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 impl ComputePool {
-    /// A pool of `RAYON_NUM_THREADS` threads (the cores by default), or
-    /// none (the caller's thread computes) where threads cannot be started.
-    pub fn new() -> Self {
+    /// A gang of `RAYON_NUM_THREADS` threads (the cores by default), and a
+    /// rayon pool of as many where `candle_math` (candle multiplies some of
+    /// the weights), else of one. Where threads cannot be started, the
+    /// caller's thread computes.
+    pub fn new(candle_math: bool) -> Self {
         #[cfg(not(target_arch = "wasm32"))]
         {
+            let threads = candle_core::utils::get_num_threads();
             let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(if candle_math { threads } else { 1 })
                 .thread_name(|i| format!("corolla-span-{i}"))
                 .build();
             if let Err(e) = &pool {
                 tracing::warn!("no thread pool for a span ({e}): computing on the caller's thread");
             }
-            ComputePool {
-                pool: pool.ok().map(std::sync::Arc::new),
-            }
+            let pool = pool.ok().map(std::sync::Arc::new);
+            let gang = (threads > 1).then(|| std::sync::Arc::new(gang::Gang::new(threads)));
+            ComputePool { pool, gang }
         }
         #[cfg(target_arch = "wasm32")]
-        ComputePool {}
+        {
+            let _ = candle_math;
+            ComputePool {}
+        }
     }
 
-    /// Runs `f` on a thread of the pool while the caller waits.
+    /// Runs `f` on a thread of the pool while the caller waits, its
+    /// products shared with the pool's gang.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        #[cfg(not(target_arch = "wasm32"))]
+        let with_gang = || {
+            let previous = CURRENT_GANG.replace(self.gang.clone());
+            // Restored on unwinding too, so a panic does not leave a pool
+            // thread posting to another span's gang.
+            struct Restore(Option<std::sync::Arc<gang::Gang>>);
+            impl Drop for Restore {
+                fn drop(&mut self) {
+                    CURRENT_GANG.set(self.0.take());
+                }
+            }
+            let _restore = Restore(previous);
+            let _hold = self.gang.as_ref().map(|g| g.hold());
+            f()
+        };
         if let Some(pool) = &self.pool {
-            return pool.install(f);
+            return pool.install(with_gang);
         }
+        with_gang()
+    }
+
+    /// A page has one thread (and values that are not `Send`).
+    #[cfg(target_arch = "wasm32")]
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
         f()
     }
+}
+
+/// Threads that share the items of [`for_each`] here.
+pub(crate) fn threads() -> usize {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let gang = CURRENT_GANG.with_borrow(|g| g.as_ref().map(|g| g.threads()));
+        gang.unwrap_or_else(rayon::current_num_threads)
+    }
+    #[cfg(target_arch = "wasm32")]
+    1
+}
+
+/// Calls `run(item)` for every item in `0..items`, shared with the gang of
+/// the forward this thread runs, or else with rayon's current pool.
+pub(crate) fn for_each(items: usize, run: &(dyn Fn(usize) + Sync)) {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        if let Some(gang) = CURRENT_GANG.with_borrow(|g| g.clone()) {
+            return gang.run(items, run);
+        }
+        use rayon::prelude::*;
+        (0..items).into_par_iter().for_each(run)
+    }
+    #[cfg(target_arch = "wasm32")]
+    (0..items).for_each(run)
 }

@@ -110,6 +110,44 @@ impl Rope {
         })
     }
 
+    /// Rotates, in place, rows of `heads` heads (`x`: `[rows, heads,
+    /// head_dim]` of plain f32), row `i` at `positions[i]`, with candle's
+    /// arithmetic (the same bits as [`Self::apply`]).
+    pub fn rotate_rows(&self, x: &mut [f32], positions: &[usize], heads: usize) -> Result<()> {
+        if let Some(&p) = positions.iter().find(|&&p| p >= self.max_positions) {
+            return Err(ModelError::MaxLengthTooLarge {
+                requested: p + 1,
+                max: self.max_positions,
+            });
+        }
+        let (cos_guard, cos_layout) = self.cos.storage_and_layout();
+        let (sin_guard, sin_layout) = self.sin.storage_and_layout();
+        let (cos, sin) = (
+            f32_table(&cos_guard, cos_layout)?,
+            f32_table(&sin_guard, sin_layout)?,
+        );
+        let half = cos_layout.dims()[1];
+        let d = 2 * half;
+        for (row, &p) in x.chunks_exact_mut(heads * d).zip(positions) {
+            let (cos, sin) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            for head in row.chunks_exact_mut(d) {
+                for i in 0..half {
+                    let (i1, i2) = match self.layout {
+                        RopeLayout::Halves => (i, i + half),
+                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let (x1, x2) = (head[i1], head[i2]);
+                    head[i1] = x1 * cos[i] - x2 * sin[i];
+                    head[i2] = x1 * sin[i] + x2 * cos[i];
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Which dimensions of a head rotate together.
     pub fn layout(&self) -> RopeLayout {
         self.layout
@@ -161,6 +199,26 @@ impl Rope {
             RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
             RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
         })
+    }
+}
+
+/// A CPU tensor's f32 values, read in place.
+fn f32_table<'a>(
+    storage: &'a candle_core::Storage,
+    layout: &candle_core::Layout,
+) -> Result<&'a [f32]> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) if layout.is_contiguous() => {
+            let all = cpu.as_slice::<f32>()?;
+            let start = layout.start_offset();
+            all.get(start..start + layout.shape().elem_count())
+                .ok_or_else(|| {
+                    ModelError::InvalidConfig("a rotation table out of its storage".into())
+                })
+        }
+        _ => Err(ModelError::InvalidConfig(
+            "rotation tables off the CPU or not f32".into(),
+        )),
     }
 }
 

@@ -8,8 +8,9 @@
 //! decode attention is apart (`decode_attention.rs`). Attention would be the
 //! piece to move out next.
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::RmsNorm;
+mod rows;
+
+use candle_core::{DType, Device, Tensor};
 
 use crate::adapter::{AdapterFile, Target};
 use crate::checkpoint::{Checkpoint, Weights};
@@ -20,6 +21,7 @@ use crate::feed_forward::FeedForward;
 use crate::kv_cache::{LayerCache, SessionCache};
 use crate::linear::{Linear, Projections};
 use crate::lora::{RowLoras, SpanAdapter};
+use crate::norm::Norm;
 use crate::pool::ComputePool;
 use crate::rope::Rope;
 
@@ -27,24 +29,20 @@ fn linear(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) ->
     Linear::load(&w.pp(name), out_dim, in_dim, bias)
 }
 
-pub(crate) fn rms_norm(w: &Weights, name: &str, cfg: &LlamaConfig) -> Result<RmsNorm> {
-    let weight = w.pp(name).get("weight", &[cfg.hidden_size])?;
-    Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
+pub(crate) fn rms_norm(w: &Weights, name: &str, cfg: &LlamaConfig) -> Result<Norm> {
+    Norm::load(w, name, cfg.hidden_size, cfg.rms_norm_eps)
 }
 
 /// Qwen3's RMSNorm of each query and key head (over `head_dim`), before the rotation.
 #[derive(Debug, Clone)]
 struct HeadNorms {
-    query: RmsNorm,
-    key: RmsNorm,
+    query: Norm,
+    key: Norm,
 }
 
 impl HeadNorms {
     fn load(w: &Weights, cfg: &LlamaConfig) -> Result<Self> {
-        let norm = |name: &str| -> Result<RmsNorm> {
-            let weight = w.pp(name).get("weight", &[cfg.head_dim])?;
-            Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
-        };
+        let norm = |name: &str| Norm::load(w, name, cfg.head_dim, cfg.rms_norm_eps);
         Ok(HeadNorms {
             query: norm("q_norm")?,
             key: norm("k_norm")?,
@@ -165,6 +163,10 @@ impl Attention {
         self.output(&out, loras)
     }
 
+    fn multiplied_by_candle(&self) -> bool {
+        self.qkv.multiplied_by_candle() || self.o_proj.multiplied_by_candle()
+    }
+
     /// The heads as the row-by-row attention kernel takes them.
     fn head_shape(&self) -> HeadShape {
         HeadShape {
@@ -196,10 +198,21 @@ impl Attention {
         cache: &mut LayerCache,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let (b, _, t, _) = q.dims4()?;
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         cache.keys.slice_set(k, 2, start)?;
         cache.values.slice_set(v, 2, start)?;
+        self.attend_cached(q, start, cache, mask)
+    }
+
+    /// [`Self::attend`] with the step's keys and values already in the cache.
+    fn attend_cached(
+        &self,
+        q: &Tensor,
+        start: usize,
+        cache: &LayerCache,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, _, t, _) = q.dims4()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         if b == 1 && t <= ROW_KERNEL_MAX_ROWS && decode_attention::supported(q.dtype(), q.device())
         {
             // A short step (drafts being checked, a short message) attends
@@ -254,9 +267,9 @@ const ROW_KERNEL_MAX_ROWS: usize = 32;
 
 #[derive(Debug, Clone)]
 struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    input_layernorm: Norm,
     self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
+    post_attention_layernorm: Norm,
     mlp: FeedForward,
 }
 
@@ -284,6 +297,10 @@ impl DecoderLayer {
             .self_attn
             .forward(&normed, start, rope, cache, mask, loras)?;
         self.add_mlp(x, attn, loras)
+    }
+
+    fn multiplied_by_candle(&self) -> bool {
+        self.self_attn.multiplied_by_candle() || self.mlp.multiplied_by_candle()
     }
 
     /// The residual of attention, then the MLP's.
@@ -328,6 +345,8 @@ pub struct BlockSpan {
     dtype: DType,
     device: Device,
     pool: ComputePool,
+    /// Steps run as rows of plain f32 (`span/rows.rs`): f32 on the CPU.
+    rows: bool,
 }
 
 impl BlockSpan {
@@ -345,6 +364,11 @@ impl BlockSpan {
         let layers = (start..end)
             .map(|i| DecoderLayer::load(&w.pp(i), cfg))
             .collect::<Result<Vec<_>>>()?;
+        // A GPU's kernels run on the device; its host threads wait.
+        let pool = match device.is_cpu() {
+            true => ComputePool::new(layers.iter().any(DecoderLayer::multiplied_by_candle)),
+            false => ComputePool::default(),
+        };
         Ok(BlockSpan {
             start,
             end,
@@ -353,11 +377,8 @@ impl BlockSpan {
             config: cfg.clone(),
             dtype,
             device: device.clone(),
-            // A GPU's kernels run on the device; its host threads wait.
-            pool: match device.is_cpu() {
-                true => ComputePool::new(),
-                false => ComputePool::default(),
-            },
+            pool,
+            rows: device.is_cpu() && dtype == DType::F32,
         })
     }
 
@@ -500,6 +521,11 @@ impl BlockSpan {
         cache: &mut SessionCache,
     ) -> Result<Tensor> {
         self.check_step(hidden.dims(), start, cache)?;
+        if self.rows {
+            let mut step = [(hidden.clone(), start, cache)];
+            let mut out = self.forward_rows(&mut step)?;
+            return out.pop().ok_or(ModelError::BatchMismatch);
+        }
         let t = hidden.dim(1)?;
         if t == 1 && decode_attention::supported(self.dtype, &self.device) {
             // The path of a batched decode step, so that a position's output
@@ -557,6 +583,9 @@ impl BlockSpan {
             if hidden.dim(1)? != 1 || cache.layers() != served {
                 return Err(ModelError::BatchMismatch);
             }
+        }
+        if self.rows {
+            return self.forward_rows(steps);
         }
         let b = steps.len();
         let hidden = self.config.hidden_size;

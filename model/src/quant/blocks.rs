@@ -11,9 +11,9 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
-use super::dot;
 use super::interleaved::{InterleavedQ4, Nibbles};
 use super::parallel::{self, Kernels};
+use super::{dot, q8_0};
 use crate::error::{ModelError, Result};
 
 /// The blocks of a quantized tensor in a format these kernels cover.
@@ -116,7 +116,7 @@ impl QuantBlocks {
         self.with_typed(|typed| match typed {
             Typed::Q4_0(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q4_1(w) => parallel::matmul(w, shape, input, out, dot::q4_1_q8_1()),
-            Typed::Q8_0(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Typed::Q8_0(w) => q8_0::matmul(w, shape, input, out),
             Typed::Q4K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q5K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q6K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),

@@ -13,7 +13,8 @@
 mod blocks;
 mod dot;
 mod interleaved;
-mod parallel;
+pub(crate) mod parallel;
+mod q8_0;
 
 pub(crate) use blocks::QuantBlocks;
 use interleaved::InterleavedQ4;

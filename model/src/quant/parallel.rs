@@ -132,7 +132,7 @@ pub(crate) fn matmul<T: GgmlType>(
 /// the calling thread when `work` (weight values times rows) is too little
 /// to pay for waking the pool.
 pub(crate) fn split(units: usize, work: usize, run: impl Fn(std::ops::Range<usize>) + Sync + Send) {
-    let threads = pool_threads();
+    let threads = crate::pool::threads();
     if threads <= 1 || work < PARALLEL_MIN_WORK {
         run(0..units);
         return;
@@ -142,7 +142,7 @@ pub(crate) fn split(units: usize, work: usize, run: impl Fn(std::ops::Range<usiz
     // one item, not its whole half.
     let items = (threads * 4).min(units).max(1);
     let per_item = units.div_ceil(items);
-    run_items(units.div_ceil(per_item), |item| {
+    crate::pool::for_each(units.div_ceil(per_item), &|item| {
         run(item * per_item..((item + 1) * per_item).min(units))
     });
 }
@@ -159,25 +159,11 @@ impl OutPtr {
     pub unsafe fn write(self, index: usize, value: f32) {
         *self.0.add(index) = value;
     }
-}
 
-#[cfg(not(target_arch = "wasm32"))]
-fn pool_threads() -> usize {
-    rayon::current_num_threads()
-}
-
-#[cfg(not(target_arch = "wasm32"))]
-fn run_items(items: usize, f: impl Fn(usize) + Sync + Send) {
-    use rayon::prelude::*;
-    (0..items).into_par_iter().for_each(f);
-}
-
-#[cfg(target_arch = "wasm32")]
-fn pool_threads() -> usize {
-    1
-}
-
-#[cfg(target_arch = "wasm32")]
-fn run_items(items: usize, f: impl Fn(usize)) {
-    (0..items).for_each(f);
+    /// # Safety
+    /// `at..at + len` lies inside the output, and no other item writes it
+    /// while the slice lives.
+    pub unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
 }
