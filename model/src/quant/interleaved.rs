@@ -15,6 +15,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 use half::f16;
 
@@ -32,6 +34,8 @@ pub(crate) const BLOCK: usize = 32;
 pub(crate) const GROUP_BLOCK_BYTES: usize = 4 * GROUP + 4 * 32;
 /// Activation rows a kernel call takes.
 pub(crate) const MAX_ACTIVATIONS: usize = 4;
+/// Groups a kernel call takes (AVX-512 holds two in a register).
+pub(crate) const MAX_GROUPS: usize = 2;
 
 /// The 4-bit formats these kernels repack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,8 +80,9 @@ pub(crate) struct ActivationRow<'a> {
     pub sums: &'a [i32],
 }
 
-/// Multiplies one group of weight rows by up to [`MAX_ACTIVATIONS`]
-/// activation rows: `out[r][j]` is weight row `j` of the group times row `r`.
+/// Multiplies up to [`MAX_GROUPS`] whole groups of weight rows (`n`, one
+/// after the other in `group`) by up to [`MAX_ACTIVATIONS`] activation rows:
+/// `out[r * n + i][j]` is weight row `j` of group `i` times row `r`.
 type GroupKernel = fn(
     format: Nibbles,
     per_row: usize,
@@ -150,21 +155,25 @@ impl InterleavedQ4 {
         let group_bytes = per_row * GROUP_BLOCK_BYTES;
         let out_ptr = OutPtr(out.as_mut_ptr());
         let run = |groups: std::ops::Range<usize>| {
-            let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS];
-            for g in groups {
-                let weights = &self.bytes[g * group_bytes..(g + 1) * group_bytes];
-                let valid = GROUP.min(rows - g * GROUP);
+            let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS * MAX_GROUPS];
+            let mut g = groups.start;
+            while g < groups.end {
+                let n = MAX_GROUPS.min(groups.end - g);
+                let weights = &self.bytes[g * group_bytes..(g + n) * group_bytes];
                 for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
-                    kernel(self.format, per_row, weights, xs, &mut sums[..xs.len()]);
-                    for (k, lanes) in sums[..xs.len()].iter().enumerate() {
-                        let r = tile * MAX_ACTIVATIONS + k;
+                    kernel(self.format, per_row, weights, xs, &mut sums[..xs.len() * n]);
+                    for (k, lanes) in sums[..xs.len() * n].iter().enumerate() {
+                        let r = tile * MAX_ACTIVATIONS + k / n;
+                        let first = (g + k % n) * GROUP;
+                        let valid = GROUP.min(rows - first);
                         for (j, &value) in lanes[..valid].iter().enumerate() {
                             // SAFETY: each (r, o) is written by exactly one
                             // work item, and r * rows + o < batch * rows.
-                            unsafe { out_ptr.write(r * rows + g * GROUP + j, value) };
+                            unsafe { out_ptr.write(r * rows + first + j, value) };
                         }
                     }
                 }
+                g += n;
             }
         };
         let groups = rows.div_ceil(GROUP);
@@ -248,14 +257,52 @@ fn half_at(bytes: &[u8], at: usize) -> f32 {
 /// The fastest kernel this CPU runs (all give the same bits).
 fn kernel() -> GroupKernel {
     #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        return avx2::group;
+    {
+        if avx512::available() {
+            return avx512::groups;
+        }
+        if avx2::available() {
+            return |format, per_row, weights, xs, out| {
+                one_group_at_a_time(avx2::group, format, per_row, weights, xs, out)
+            };
+        }
     }
     portable
 }
 
+/// A kernel of one group at a time, for [`GroupKernel`]'s several.
+fn one_group_at_a_time(
+    one: GroupKernel,
+    format: Nibbles,
+    per_row: usize,
+    weights: &[u8],
+    xs: &[ActivationRow],
+    out: &mut [[f32; GROUP]],
+) {
+    let group_bytes = per_row * GROUP_BLOCK_BYTES;
+    let n = weights.len() / group_bytes;
+    let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS];
+    for (i, group) in weights.chunks_exact(group_bytes).enumerate() {
+        one(format, per_row, group, xs, &mut sums[..xs.len()]);
+        for (k, lanes) in sums[..xs.len()].iter().enumerate() {
+            out[k * n + i] = *lanes;
+        }
+    }
+}
+
 /// The kernels' arithmetic in plain Rust, for CPUs without AVX2 and wasm.
 fn portable(
+    format: Nibbles,
+    per_row: usize,
+    weights: &[u8],
+    xs: &[ActivationRow],
+    out: &mut [[f32; GROUP]],
+) {
+    one_group_at_a_time(portable_group, format, per_row, weights, xs, out)
+}
+
+/// [`portable`] for one group.
+fn portable_group(
     format: Nibbles,
     per_row: usize,
     group: &[u8],
@@ -299,8 +346,6 @@ fn portable(
 mod tests {
     use super::*;
 
-    /// The vector kernel and the portable one agree bit for bit (a server
-    /// without AVX2 continues another's answer exactly).
     /// `rows` rows of `cols` values quantized to `format`, repacked.
     fn matrix(format: Nibbles, rows: usize, cols: usize) -> InterleavedQ4 {
         use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ4_1, GgmlType};
@@ -327,8 +372,25 @@ mod tests {
         InterleavedQ4::new(format, &bytes, rows, cols).unwrap()
     }
 
-    /// The vector kernel and the portable one agree bit for bit (a server
-    /// without AVX2 continues another's answer exactly).
+    /// Every vector kernel this CPU runs.
+    fn vector_kernels() -> Vec<(&'static str, GroupKernel)> {
+        let mut kernels: Vec<(&'static str, GroupKernel)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::available() {
+                kernels.push(("avx2", |format, per_row, weights, xs, out| {
+                    one_group_at_a_time(avx2::group, format, per_row, weights, xs, out)
+                }));
+            }
+            if avx512::available() {
+                kernels.push(("avx512", avx512::groups));
+            }
+        }
+        kernels
+    }
+
+    /// Every vector kernel and the portable one agree bit for bit (a
+    /// server without AVX2 or AVX-512 continues another's answer exactly).
     #[test]
     fn the_kernels_give_the_same_bits() {
         let (rows, cols) = (43, 256);
@@ -348,19 +410,21 @@ mod tests {
                     })
                     .collect();
                 let shape = Shape { rows, cols, batch };
-                let mut fast = vec![0f32; batch * rows];
                 let mut plain = vec![0f32; batch * rows];
-                matrix.matmul_with(kernel(), quantizer(), shape, &input, &mut fast);
                 matrix.matmul_with(portable, quantize_block, shape, &input, &mut plain);
-                let differ = fast
-                    .iter()
-                    .zip(&plain)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
-                assert_eq!(
-                    differ, 0,
-                    "{format:?} batch {batch}: {differ} outputs differ"
-                );
+                for (name, kernel) in vector_kernels() {
+                    let mut fast = vec![0f32; batch * rows];
+                    matrix.matmul_with(kernel, quantizer(), shape, &input, &mut fast);
+                    let differ = fast
+                        .iter()
+                        .zip(&plain)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ, 0,
+                        "{name}, {format:?} batch {batch}: {differ} outputs differ"
+                    );
+                }
             }
         }
     }

@@ -26,24 +26,9 @@ pub fn group(
         weights.len() >= per_row * GROUP_BLOCK_BYTES,
         "a short group"
     );
-    assert!(xs.len() <= MAX_ACTIVATIONS && out.len() >= xs.len());
-    for x in xs {
-        assert!(x.values.len() >= per_row * BLOCK && x.scales.len() >= 2 * per_row);
-        assert!(x.sums.len() >= per_row);
-    }
+    assert!(out.len() >= xs.len());
     let w = weights.as_ptr();
-    let mut rows = [Row {
-        values: std::ptr::null(),
-        scales: std::ptr::null(),
-        sums: std::ptr::null(),
-    }; MAX_ACTIVATIONS];
-    for (row, x) in rows.iter_mut().zip(xs) {
-        *row = Row {
-            values: x.values.as_ptr(),
-            scales: x.scales.as_ptr(),
-            sums: x.sums.as_ptr(),
-        };
-    }
+    let rows = rows_of(per_row, xs);
     let rows = &rows[..xs.len()];
     // SAFETY: `available()` held when this kernel was chosen, and the
     // asserts above keep every read inside the slices.
@@ -74,10 +59,31 @@ unsafe fn tiles<const OFFSET: bool>(
 
 /// An activation row's pointers.
 #[derive(Clone, Copy)]
-struct Row {
-    values: *const i8,
-    scales: *const f32,
-    sums: *const i32,
+pub(super) struct Row {
+    pub values: *const i8,
+    pub scales: *const f32,
+    pub sums: *const i32,
+}
+
+/// The pointers of `xs` (at most [`MAX_ACTIVATIONS`] rows of `per_row`
+/// blocks: asserted, so that kernels may read every block through them).
+pub(super) fn rows_of(per_row: usize, xs: &[ActivationRow]) -> [Row; MAX_ACTIVATIONS] {
+    assert!(xs.len() <= MAX_ACTIVATIONS, "too many activation rows");
+    let mut rows = [Row {
+        values: std::ptr::null(),
+        scales: std::ptr::null(),
+        sums: std::ptr::null(),
+    }; MAX_ACTIVATIONS];
+    for (row, x) in rows.iter_mut().zip(xs) {
+        assert!(x.values.len() >= per_row * BLOCK && x.scales.len() >= 2 * per_row);
+        assert!(x.sums.len() >= per_row);
+        *row = Row {
+            values: x.values.as_ptr(),
+            scales: x.scales.as_ptr(),
+            sums: x.sums.as_ptr(),
+        };
+    }
+    rows
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
