@@ -79,6 +79,11 @@ impl ClientHead {
             Some(table) => Linear::quantized(table, None)?,
             None => Self::lm_head(checkpoint, dtype, device)?,
         };
+        // The table the head multiplies is its own copy (rows for the
+        // embeddings come from the file), so it may be repacked; not in a
+        // page, whose memory never shrinks back from the repacking's peak.
+        #[cfg(not(target_arch = "wasm32"))]
+        let lm_head = lm_head.interleaved()?;
         Self::with_embeddings(checkpoint, embed_tokens, lm_head, dtype, device)
     }
 

@@ -11,9 +11,10 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 
+use super::dot;
 use super::interleaved::{InterleavedQ4, Nibbles};
 use super::parallel::{self, Kernels};
-use super::{dot, q8_0};
+use super::q8_0::{self, InterleavedQ8};
 use crate::error::{ModelError, Result};
 
 /// The blocks of a quantized tensor in a format these kernels cover.
@@ -112,11 +113,25 @@ impl QuantBlocks {
         Ok(Some(InterleavedQ4::new(format, &bytes, rows, cols)?))
     }
 
+    /// Q8_0 blocks repacked for this CPU's kernel, where it has one.
+    pub fn interleaved_q8(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ8>> {
+        if !InterleavedQ8::supported() {
+            return Ok(None);
+        }
+        match self.with_typed(|typed| match typed {
+            Typed::Q8_0(blocks) => Some(InterleavedQ8::new(blocks, rows, cols)),
+            _ => None,
+        }) {
+            Some(Some(packed)) => Ok(Some(packed?)),
+            _ => Ok(None),
+        }
+    }
+
     pub fn matmul(&self, shape: parallel::Shape, input: &[f32], out: &mut [f32]) -> Result<()> {
         self.with_typed(|typed| match typed {
             Typed::Q4_0(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q4_1(w) => parallel::matmul(w, shape, input, out, dot::q4_1_q8_1()),
-            Typed::Q8_0(w) => q8_0::matmul(w, shape, input, out),
+            Typed::Q8_0(w) => q8_0::matmul_rows(w, shape, input, out),
             Typed::Q4K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q5K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q6K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),

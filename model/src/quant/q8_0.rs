@@ -1,9 +1,10 @@
 //! Q8_0 weight rows as GGUF stores them times activations rounded to Q8_0,
-//! eight weight rows at a time. The LM head of most GGUFs is Q8_0 and
-//! shares its table with the embeddings, so it cannot be repacked as the
-//! span's 4-bit weights are ([`super::interleaved`]): the eight rows are
-//! read where they lie, and their eight block sums meet in the lanes of one
-//! register.
+//! eight weight rows at a time: the eight rows are read where they lie, and
+//! their eight block sums meet in the lanes of one register. The LM head
+//! of most GGUFs is Q8_0; a page keeps it in this layout (a repacked copy
+//! would hold the largest matrix twice while it is made), a native head
+//! and Q8_0 spans repack it where the CPU has AVX-512 VNNI
+//! ([`InterleavedQ8`], with this layout's bits).
 //!
 //! Every kernel sums in one order, so a native head and the page's give
 //! the same bits: a block's integer sum (exact; converted to f32 exactly,
@@ -16,6 +17,9 @@ use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
 use half::f16;
 
 use super::parallel::{self, OutPtr, Shape};
+
+mod interleaved;
+pub(crate) use interleaved::InterleavedQ8;
 
 /// Weight rows a kernel call computes.
 const GROUP: usize = 8;
@@ -30,7 +34,7 @@ const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == BLOCK_BYTES);
 type GroupKernel = fn(per_row: usize, weights: &[BlockQ8_0], x: &[BlockQ8_0]) -> [f32; GROUP];
 
 /// `out[r * rows + o] = dot(weight row o, input row r)`.
-pub(crate) fn matmul(weights: &[BlockQ8_0], shape: Shape, input: &[f32], out: &mut [f32]) {
+pub(crate) fn matmul_rows(weights: &[BlockQ8_0], shape: Shape, input: &[f32], out: &mut [f32]) {
     matmul_with(kernel(), weights, shape, input, out)
 }
 

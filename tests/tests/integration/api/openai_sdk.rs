@@ -197,23 +197,22 @@ fn check_api(model: &Path, python: &Path, peer: &str, name: &str, third: &str, s
         "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
     })
     .to_string();
-    let cut = Command::new("curl")
-        .args([
-            "-sN",
-            "--max-time",
-            "3",
-            "-H",
-            &format!("Authorization: Bearer {KEY}"),
-        ])
-        .args(["-H", "Content-Type: application/json", "-d", &long])
-        .arg(format!("{}/chat/completions", api.base))
-        .output()
-        .expect("curl");
-    let partial = String::from_utf8_lossy(&cut.stdout);
-    assert!(
-        partial.contains("\"content\""),
-        "no token before the cut: {partial}"
-    );
+    // Cut after the first token, whatever the swarm's speed (a timed cut
+    // missed the stream once answers got faster than the time).
+    let response = ureq::post(&format!("{}/chat/completions", api.base))
+        .set("Authorization", &format!("Bearer {KEY}"))
+        .set("Content-Type", "application/json")
+        .send_string(&long)
+        .expect("a streamed answer");
+    let mut partial = String::new();
+    let mut stream = std::io::BufReader::new(response.into_reader());
+    while !partial.contains("\"content\"") {
+        let mut line = String::new();
+        let read = std::io::BufRead::read_line(&mut stream, &mut line).expect("the stream");
+        assert!(read > 0, "the stream ended before a token: {partial}");
+        partial.push_str(&line);
+    }
+    drop(stream);
     assert!(
         !partial.contains("[DONE]"),
         "the answer ended before the cut"

@@ -1,0 +1,352 @@
+//! Q8_0 weights repacked eight rows to a group, for CPUs with AVX-512
+//! VNNI: one register holds four values of sixteen rows (two groups), and
+//! one `vpdpbusd` adds their products with four broadcast activations into
+//! the rows' lanes. Its unsigned operand is the weight plus 128, so a
+//! block's sum is less 128 × the activations' sum, which is exact. A
+//! block's sums are then scaled and added as the row kernel does
+//! ([`super`]): the repacked matrix gives the row layout's bits (a page,
+//! which keeps the row layout, gives the native head's logits).
+
+use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
+use half::f16;
+
+use super::super::parallel::{self, OutPtr, Shape};
+use super::{bytes_of, BLOCK, BLOCK_BYTES};
+use crate::error::{ModelError, Result};
+
+/// Weight rows per group.
+const GROUP: usize = 8;
+/// One block of a group: eight `d`s (f16), then eight chunks of 32 bytes;
+/// chunk `c` holds values `4c..4c + 4` of each row, plus 128, row after row.
+const GROUP_BLOCK_BYTES: usize = 2 * GROUP + 8 * 32;
+/// Activation rows a kernel call takes.
+const MAX_ACTIVATIONS: usize = 4;
+
+/// A Q8_0 matrix `[rows, cols]` in groups of eight rows (the last group
+/// padded with zero rows).
+#[derive(Debug, Clone)]
+pub(crate) struct InterleavedQ8 {
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+}
+
+/// One activation row's blocks and each block's sum of values.
+struct ActivationRow<'a> {
+    blocks: &'a [u8],
+    sums: &'a [i32],
+}
+
+/// Multiplies `n` (1 or 2) whole groups by up to four activation rows:
+/// `out[r * n + i][j]` is weight row `j` of group `i` times row `r`.
+type GroupKernel =
+    fn(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
+
+impl InterleavedQ8 {
+    /// Whether this CPU has the kernel the repacked layout needs.
+    pub fn supported() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return avx512::available();
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// Repacks `rows` rows of `cols` values in Q8_0 blocks.
+    pub fn new(blocks: &[BlockQ8_0], rows: usize, cols: usize) -> Result<Self> {
+        let per_row = cols / BLOCK;
+        if !cols.is_multiple_of(BLOCK) || blocks.len() != rows * per_row {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} blocks are not a {rows}x{cols} Q8_0 matrix",
+                blocks.len()
+            )));
+        }
+        let bytes = bytes_of(blocks);
+        let groups = rows.div_ceil(GROUP);
+        let mut packed = vec![0u8; groups * per_row * GROUP_BLOCK_BYTES];
+        for (g, group) in packed
+            .chunks_exact_mut(per_row * GROUP_BLOCK_BYTES)
+            .enumerate()
+        {
+            for (b, dst) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
+                for j in 0..GROUP {
+                    let row = g * GROUP + j;
+                    if row >= rows {
+                        // Padding rows: zero weights (128 stored), zero scales.
+                        for c in 0..8 {
+                            dst[2 * GROUP + 32 * c + 4 * j..][..4].fill(128);
+                        }
+                        continue;
+                    }
+                    let src = &bytes[(row * per_row + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                    dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
+                    for c in 0..8 {
+                        let to = 2 * GROUP + 32 * c + 4 * j;
+                        for t in 0..4 {
+                            dst[to + t] = (src[2 + 4 * c + t] as i8 as i16 + 128) as u8;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(InterleavedQ8 {
+            rows,
+            cols,
+            bytes: packed,
+        })
+    }
+
+    /// `out[r * rows + o] = dot(weight row o, input row r)`.
+    pub fn matmul(&self, shape: Shape, input: &[f32], out: &mut [f32]) {
+        self.matmul_with(kernel(), shape, input, out)
+    }
+
+    fn matmul_with(&self, kernel: GroupKernel, shape: Shape, input: &[f32], out: &mut [f32]) {
+        let Shape { rows, cols, batch } = shape;
+        debug_assert_eq!((rows, cols), (self.rows, self.cols));
+        let per_row = cols / BLOCK;
+        // Rounded as the row kernel rounds them (candle's Q8_0).
+        let mut blocks = vec![BlockQ8_0::zeros(); batch * per_row];
+        for (row, blocks) in input
+            .chunks_exact(cols)
+            .zip(blocks.chunks_exact_mut(per_row))
+        {
+            BlockQ8_0::from_float(row, blocks);
+        }
+        let block_bytes = bytes_of(&blocks);
+        let sums: Vec<i32> = block_bytes
+            .chunks_exact(BLOCK_BYTES)
+            .map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum())
+            .collect();
+        let activations: Vec<ActivationRow> = (0..batch)
+            .map(|r| ActivationRow {
+                blocks: &block_bytes[r * per_row * BLOCK_BYTES..(r + 1) * per_row * BLOCK_BYTES],
+                sums: &sums[r * per_row..(r + 1) * per_row],
+            })
+            .collect();
+        let group_bytes = per_row * GROUP_BLOCK_BYTES;
+        let out_ptr = OutPtr(out.as_mut_ptr());
+        let run = |groups: std::ops::Range<usize>| {
+            let mut sums = [[0f32; GROUP]; 2 * MAX_ACTIVATIONS];
+            let mut g = groups.start;
+            while g < groups.end {
+                let n = 2.min(groups.end - g);
+                let weights = &self.bytes[g * group_bytes..(g + n) * group_bytes];
+                for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
+                    kernel(per_row, weights, xs, &mut sums[..xs.len() * n]);
+                    for (k, lanes) in sums[..xs.len() * n].iter().enumerate() {
+                        let r = tile * MAX_ACTIVATIONS + k / n;
+                        let first = (g + k % n) * GROUP;
+                        let valid = GROUP.min(rows - first);
+                        for (j, &value) in lanes[..valid].iter().enumerate() {
+                            // SAFETY: each (r, o) is written by exactly one
+                            // work item, and r * rows + o < batch * rows.
+                            unsafe { out_ptr.write(r * rows + first + j, value) };
+                        }
+                    }
+                }
+                g += n;
+            }
+        };
+        parallel::split(rows.div_ceil(GROUP), rows * cols * batch, run);
+    }
+}
+
+fn half_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+fn kernel() -> GroupKernel {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        return avx512::groups;
+    }
+    portable
+}
+
+/// The kernels' arithmetic in plain Rust (the tests' reference).
+fn portable(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
+    let group_bytes = per_row * GROUP_BLOCK_BYTES;
+    let n = groups.len() / group_bytes;
+    for (i, group) in groups.chunks_exact(group_bytes).enumerate() {
+        for (r, x) in xs.iter().enumerate() {
+            let out = &mut out[r * n + i];
+            *out = [0.0; GROUP];
+            for b in 0..per_row {
+                let block = &group[b * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+                let activations = &x.blocks[b * BLOCK_BYTES..][..BLOCK_BYTES];
+                let dx = half_at(activations, 0);
+                for (j, total) in out.iter_mut().enumerate() {
+                    let mut sum = 0i32;
+                    for c in 0..8 {
+                        for t in 0..4 {
+                            let w = block[2 * GROUP + 32 * c + 4 * j + t] as i32;
+                            sum += w * (activations[2 + 4 * c + t] as i8) as i32;
+                        }
+                    }
+                    let sum = sum - 128 * x.sums[b];
+                    *total += (half_at(block, 2 * j) * dx) * sum as f32;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{ActivationRow, BLOCK_BYTES, GROUP, GROUP_BLOCK_BYTES, MAX_ACTIVATIONS};
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("avx2")
+    }
+
+    /// [`super::GroupKernel`]: two groups in the lanes of one register (a
+    /// lone group fills both halves, and the second is dropped).
+    pub fn groups(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
+        let group_bytes = per_row * GROUP_BLOCK_BYTES;
+        let n = groups.len() / group_bytes;
+        assert!(
+            (1..=2).contains(&n) && xs.len() <= MAX_ACTIVATIONS,
+            "a kernel call too large"
+        );
+        assert!(out.len() >= n * xs.len(), "a short output");
+        for x in xs {
+            assert!(x.blocks.len() >= per_row * BLOCK_BYTES && x.sums.len() >= per_row);
+        }
+        let second = (n - 1) * group_bytes;
+        let mut lanes = [[0f32; 2 * GROUP]; MAX_ACTIVATIONS];
+        let w = groups.as_ptr();
+        let rows: [(*const u8, *const i32); MAX_ACTIVATIONS] = std::array::from_fn(|r| {
+            xs.get(r).map_or((std::ptr::null(), std::ptr::null()), |x| {
+                (x.blocks.as_ptr(), x.sums.as_ptr())
+            })
+        });
+        // SAFETY: `available()` held when this kernel was chosen; the asserts
+        // keep every read inside `groups` and the activation rows.
+        unsafe {
+            match xs.len() {
+                1 => store(&mut lanes, tile::<1>(per_row, w, second, [rows[0]])),
+                2 => store(
+                    &mut lanes,
+                    tile::<2>(per_row, w, second, [rows[0], rows[1]]),
+                ),
+                3 => store(
+                    &mut lanes,
+                    tile::<3>(per_row, w, second, [rows[0], rows[1], rows[2]]),
+                ),
+                4 => store(&mut lanes, tile::<4>(per_row, w, second, rows)),
+                _ => {}
+            }
+        }
+        for (r, lanes) in lanes[..xs.len()].iter().enumerate() {
+            out[r * n].copy_from_slice(&lanes[..GROUP]);
+            if n == 2 {
+                out[r * n + 1].copy_from_slice(&lanes[GROUP..]);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<const R: usize>(out: &mut [[f32; 2 * GROUP]], sums: [__m512; R]) {
+        for (lanes, sum) in out.iter_mut().zip(sums) {
+            _mm512_storeu_ps(lanes.as_mut_ptr(), sum);
+        }
+    }
+
+    /// Groups at `w` and `w + second` against `R` activation rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    unsafe fn tile<const R: usize>(
+        per_row: usize,
+        w: *const u8,
+        second: usize,
+        x: [(*const u8, *const i32); R],
+    ) -> [__m512; R] {
+        let mut total = [_mm512_setzero_ps(); R];
+        for b in 0..per_row {
+            let low = w.add(b * GROUP_BLOCK_BYTES);
+            let high = low.add(second);
+            let mut sums = [_mm512_setzero_si512(); R];
+            for c in 0..8 {
+                let at = 2 * GROUP + 32 * c;
+                let weights = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(low.add(at).cast())),
+                    _mm256_loadu_si256(high.add(at).cast()),
+                    1,
+                );
+                for r in 0..R {
+                    let values = x[r].0.add(b * BLOCK_BYTES + 2 + 4 * c);
+                    let xs = _mm512_set1_epi32(std::ptr::read_unaligned(values.cast()));
+                    sums[r] = _mm512_dpbusd_epi32(sums[r], weights, xs);
+                }
+            }
+            let scales =
+                _mm256_set_m128i(_mm_loadu_si128(high.cast()), _mm_loadu_si128(low.cast()));
+            let dw = _mm512_cvtph_ps(scales);
+            for r in 0..R {
+                let offset = _mm512_set1_epi32(128 * *x[r].1.add(b));
+                let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r], offset));
+                let dx = scale_at(x[r].0.add(b * BLOCK_BYTES));
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+                total[r] = _mm512_add_ps(total[r], _mm512_mul_ps(scale, sum));
+            }
+        }
+        total
+    }
+
+    #[inline]
+    unsafe fn scale_at(p: *const u8) -> f32 {
+        half::f16::from_bits(std::ptr::read_unaligned(p.cast::<u16>())).to_f32()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The repacked matrix gives the row kernel's bits with every kernel
+    /// this CPU runs, for one row and batches, a short last group and
+    /// ranges of odd groups.
+    #[test]
+    fn the_repacked_matrix_gives_the_row_kernels_bits() {
+        let (rows, cols) = (45, 256);
+        let weights: Vec<f32> = (0..rows * cols)
+            .map(|i| match i % 97 {
+                0 => -1.0,
+                1 => 1.0,
+                _ => ((i * 7919) % 1013) as f32 / 506.5 - 1.0,
+            })
+            .collect();
+        let mut blocks = vec![BlockQ8_0::zeros(); rows * cols / BLOCK];
+        BlockQ8_0::from_float(&weights, &mut blocks);
+        let packed = InterleavedQ8::new(&blocks, rows, cols).unwrap();
+        let mut kernels: Vec<(&str, GroupKernel)> = vec![("portable", portable)];
+        #[cfg(target_arch = "x86_64")]
+        if avx512::available() {
+            kernels.push(("avx512", avx512::groups));
+        }
+        for batch in [1, 3, 4, 6] {
+            let input: Vec<f32> = (0..batch * cols)
+                .map(|i| ((i * 104729) % 2017) as f32 / 100.0 - 10.0)
+                .collect();
+            let shape = Shape { rows, cols, batch };
+            let mut by_rows = vec![0f32; batch * rows];
+            super::super::matmul_rows(&blocks, shape, &input, &mut by_rows);
+            for (name, kernel) in &kernels {
+                let mut repacked = vec![0f32; batch * rows];
+                packed.matmul_with(*kernel, shape, &input, &mut repacked);
+                let differ = repacked
+                    .iter()
+                    .zip(&by_rows)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{name}, batch {batch}: {differ} outputs differ");
+            }
+        }
+    }
+}
