@@ -12,10 +12,12 @@ mod gang;
 /// server's compute thread, a client's generate loop).
 ///
 /// The rayon pool is for candle's own parallel math (a dense span's
-/// products, a long prompt's attention). A span whose weights Corolla's
-/// kernels multiply gets a pool of one thread: idle rayon workers spin by
-/// yielding the core, and with the gang's workers busy they took turns with
-/// them (60 context switches a decode step of 30 blocks).
+/// products). A span whose weights Corolla's kernels multiply has none: its
+/// forwards run on the caller's thread with the gang (candle's rare parallel
+/// ops there, a long prompt's attention, use rayon's global pool), since
+/// idle rayon workers spin by yielding the core and took turns with the
+/// gang's (60 context switches a decode step of 30 blocks), and a hop to a
+/// pool thread costs two wake-ups a forward.
 ///
 /// A pool per span, not rayon's global one: a forward holds a pool thread
 /// for its whole run, and a pool thread waiting for its products' parts
@@ -40,20 +42,25 @@ thread_local! {
 impl ComputePool {
     /// A gang of `RAYON_NUM_THREADS` threads (the cores by default), and a
     /// rayon pool of as many where `candle_math` (candle multiplies some of
-    /// the weights), else of one. Where threads cannot be started, the
-    /// caller's thread computes.
+    /// the weights). Where threads cannot be started, the caller's thread
+    /// computes.
     pub fn new(candle_math: bool) -> Self {
         #[cfg(not(target_arch = "wasm32"))]
         {
             let threads = candle_core::utils::get_num_threads();
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(if candle_math { threads } else { 1 })
-                .thread_name(|i| format!("corolla-span-{i}"))
-                .build();
-            if let Err(e) = &pool {
-                tracing::warn!("no thread pool for a span ({e}): computing on the caller's thread");
-            }
-            let pool = pool.ok().map(std::sync::Arc::new);
+            let pool = candle_math.then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("corolla-span-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        tracing::warn!(
+                            "no thread pool for a span ({e}): computing on the caller's thread"
+                        )
+                    })
+                    .ok()
+            });
+            let pool = pool.flatten().map(std::sync::Arc::new);
             let gang = (threads > 1).then(|| std::sync::Arc::new(gang::Gang::new(threads)));
             ComputePool { pool, gang }
         }
@@ -64,8 +71,8 @@ impl ComputePool {
         }
     }
 
-    /// Runs `f` on a thread of the pool while the caller waits, its
-    /// products shared with the pool's gang.
+    /// Runs `f` on a thread of the rayon pool (where there is one) while
+    /// the caller waits, its products shared with the gang.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         let with_gang = || {

@@ -197,14 +197,13 @@ fn batching_limits(model: &std::path::Path, rounds: usize) -> anyhow::Result<Str
            {compute_ms_per_row:.1} ms of compute however the weights are shared\n\
          - the client's head for one token (final norm and the tied 49152×576 table, kept quantized): **{head:.2} ms**\n\n\
          One row at B = 1 takes {one:.1} ms: the weights' read ({memory_floor_ms:.1} ms), the row's compute \
-         ({compute_ms_per_row:.1} ms), attention, norms and the pool's dispatch. On these two cores decode of this model \
+         ({compute_ms_per_row:.1} ms), attention, norms and the gang's dispatch. On these two cores decode of this model \
          is compute-bound, not memory-bound: with these kernels sixteen rows cost at least 16 × {compute_ms_per_row:.1} ms = \
          {:.1} ms, so the span alone reaches at most {:.1}× at 16; it measured {:.2}×. For 8× sixteen rows would have to \
          cost no more than two single steps ({:.1} ms), compute ~{:.1}× faster than this. The span's Q4_1 weights are \
          already repacked eight rows to a group as llama.cpp repacks them for batches (`model/src/quant/interleaved.rs`): \
-         a block's nibbles are unpacked once for four sessions and each multiply instruction meets eight weight rows; \
-         the inner loop is bound by its 32 byte-multiply instructions per block and four rows (AVX-512 VNNI's \
-         `vpdpbusd` in their place measured the same on this CPU). And in the full-stack table the sixteen \
+         a block's nibbles are unpacked once for four sessions, and with AVX-512 VNNI one `vpdpbusd` meets sixteen \
+         weight rows (`interleaved/avx512.rs`). And in the full-stack table the sixteen \
          clients' heads ({head:.2} ms a token each) share the same two cores: with a token costing its share of a step \
          plus its head, 16 sessions reach at most {full_stack_bound:.1}× one session here, and even a step that cost \
          nothing would leave {heads_only_bound:.1}×. The ≥ 8× target is for a server whose clients are elsewhere and \
