@@ -67,26 +67,24 @@ pub(crate) fn attend_rows(
     // Each session's cache, read in place (the guards outlive the work);
     // a step of several positions passes one session's cache for each, and
     // its lock is read once.
-    let mut distinct: Vec<&Tensor> = Vec::new();
+    let mut distinct: Vec<(&Tensor, &Tensor)> = Vec::new();
     let which: Vec<usize> = keys
         .iter()
-        .map(|k| match distinct.iter().position(|d| d.id() == k.id()) {
-            Some(at) => at,
-            None => {
-                distinct.push(k);
-                distinct.len() - 1
-            }
-        })
+        .zip(values)
+        .map(
+            |(&k, &v)| match distinct.iter().position(|(d, _)| d.id() == k.id()) {
+                Some(at) => at,
+                None => {
+                    distinct.push((k, v));
+                    distinct.len() - 1
+                }
+            },
+        )
         .collect();
-    let value_of = |at: usize| which.iter().position(|&w| w == at).map(|i| values[i]);
     let guards: Vec<_> = distinct
         .iter()
-        .enumerate()
-        .map(|(at, k)| {
-            let v = value_of(at).ok_or(ModelError::BatchMismatch)?;
-            Ok((k.storage_and_layout(), v.storage_and_layout()))
-        })
-        .collect::<Result<_>>()?;
+        .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
+        .collect();
     let mut caches = Vec::with_capacity(b);
     for (&at, &start) in which.iter().zip(starts) {
         let (k_guard, v_guard) = &guards[at];

@@ -3,13 +3,11 @@
 #[cfg(not(target_arch = "wasm32"))]
 mod gang;
 
-/// A span's threads: its forward passes run on a thread of its rayon pool
-/// while the caller waits, and the products of Corolla's kernels inside
-/// share their items with the span's [`gang::Gang`], whose workers spin
-/// between one product and the next of a forward. Measured on 2 cores, a
-/// decode step of the default model's 30 kept-quantized blocks took 2.7 ms
-/// in a rayon pool against 6.3 ms called from a thread outside a pool (the
-/// server's compute thread, a client's generate loop).
+/// A span's (or a head's) threads: the products of Corolla's kernels in its
+/// forwards share their items with its [`gang::Gang`], whose workers spin
+/// between one product and the next of a forward, the calling thread
+/// taking items too (a pool the caller only waits on cost a decode step of
+/// the default model's 30 kept-quantized blocks 6.3 ms against 2.7 ms).
 ///
 /// The rayon pool is for candle's own parallel math (a dense span's
 /// products). A span whose weights Corolla's kernels multiply has none: its

@@ -118,13 +118,12 @@ impl QuantBlocks {
         if !InterleavedQ8::supported() {
             return Ok(None);
         }
-        match self.with_typed(|typed| match typed {
+        self.with_typed(|typed| match typed {
             Typed::Q8_0(blocks) => Some(InterleavedQ8::new(blocks, rows, cols)),
             _ => None,
-        }) {
-            Some(Some(packed)) => Ok(Some(packed?)),
-            _ => Ok(None),
-        }
+        })
+        .flatten()
+        .transpose()
     }
 
     pub fn matmul(&self, shape: parallel::Shape, input: &[f32], out: &mut [f32]) -> Result<()> {

@@ -153,32 +153,57 @@ impl InterleavedQ4 {
         let activations: Vec<ActivationRow> =
             (0..batch).map(|r| quantized.row(r, per_row)).collect();
         let group_bytes = per_row * GROUP_BLOCK_BYTES;
-        let out_ptr = OutPtr(out.as_mut_ptr());
-        let run = |groups: std::ops::Range<usize>| {
-            let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS * MAX_GROUPS];
-            let mut g = groups.start;
-            while g < groups.end {
-                let n = MAX_GROUPS.min(groups.end - g);
-                let weights = &self.bytes[g * group_bytes..(g + n) * group_bytes];
-                for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
-                    kernel(self.format, per_row, weights, xs, &mut sums[..xs.len() * n]);
-                    for (k, lanes) in sums[..xs.len() * n].iter().enumerate() {
-                        let r = tile * MAX_ACTIVATIONS + k / n;
-                        let first = (g + k % n) * GROUP;
-                        let valid = GROUP.min(rows - first);
-                        for (j, &value) in lanes[..valid].iter().enumerate() {
-                            // SAFETY: each (r, o) is written by exactly one
-                            // work item, and r * rows + o < batch * rows.
-                            unsafe { out_ptr.write(r * rows + first + j, value) };
-                        }
+        run_groups(
+            &self.bytes,
+            group_bytes,
+            shape,
+            &activations,
+            |weights, xs, sums| kernel(self.format, per_row, weights, xs, sums),
+            out,
+        );
+    }
+}
+
+/// Multiplies a matrix repacked [`GROUP`] rows to a group (`group_bytes` a
+/// group in `bytes`) by `activations` (one per input row): `kernel` takes up to
+/// [`MAX_GROUPS`] whole groups and [`MAX_ACTIVATIONS`] rows a call, as
+/// [`GroupKernel`] does, and the groups are split over the pool. Writes
+/// `out[r * rows + o]`; the last group's padding rows are dropped.
+pub(crate) fn run_groups<A: Sync>(
+    bytes: &[u8],
+    group_bytes: usize,
+    shape: Shape,
+    activations: &[A],
+    kernel: impl Fn(&[u8], &[A], &mut [[f32; GROUP]]) + Sync,
+    out: &mut [f32],
+) {
+    let Shape { rows, cols, batch } = shape;
+    assert_eq!(out.len(), batch * rows, "output of the wrong size");
+    assert_eq!(activations.len(), batch, "one activation row per input row");
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let run = |groups: std::ops::Range<usize>| {
+        let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS * MAX_GROUPS];
+        let mut g = groups.start;
+        while g < groups.end {
+            let n = MAX_GROUPS.min(groups.end - g);
+            let weights = &bytes[g * group_bytes..(g + n) * group_bytes];
+            for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
+                kernel(weights, xs, &mut sums[..xs.len() * n]);
+                for (k, lanes) in sums[..xs.len() * n].iter().enumerate() {
+                    let r = tile * MAX_ACTIVATIONS + k / n;
+                    let first = (g + k % n) * GROUP;
+                    let valid = GROUP.min(rows - first);
+                    for (j, &value) in lanes[..valid].iter().enumerate() {
+                        // SAFETY: each (r, o) is written by exactly one
+                        // work item, and r * rows + o < batch * rows.
+                        unsafe { out_ptr.write(r * rows + first + j, value) };
                     }
                 }
-                g += n;
             }
-        };
-        let groups = rows.div_ceil(GROUP);
-        parallel::split(groups, rows * cols * batch, run);
-    }
+            g += n;
+        }
+    };
+    parallel::split(rows.div_ceil(GROUP), rows * cols * batch, run);
 }
 
 /// Activation rows rounded to 8 bits per block of 32 as llama.cpp's Q8_1

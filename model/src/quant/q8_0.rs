@@ -302,15 +302,28 @@ mod wasm {
     }
 }
 
+/// A `rows` x `cols` Q8_0 matrix holding both ends of the 8-bit range, and
+/// `batch` input rows, for the kernels' tests.
+#[cfg(test)]
+fn test_matrix(rows: usize, cols: usize, batch: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
+    let weights: Vec<f32> = (0..rows * cols)
+        .map(|i| match i % 97 {
+            0 => -1.0,
+            1 => 1.0,
+            _ => ((i * 7919) % 1013) as f32 / 506.5 - 1.0,
+        })
+        .collect();
+    let mut blocks = vec![BlockQ8_0::zeros(); rows * cols / BLOCK];
+    BlockQ8_0::from_float(&weights, &mut blocks);
+    let input = (0..batch * cols)
+        .map(|i| ((i * 104729) % 2017) as f32 / 100.0 - 10.0)
+        .collect();
+    (blocks, input)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn quantized(values: &[f32]) -> Vec<BlockQ8_0> {
-        let mut blocks = vec![BlockQ8_0::zeros(); values.len() / BLOCK];
-        BlockQ8_0::from_float(values, &mut blocks);
-        blocks
-    }
 
     /// The fastest kernel and the plain one agree bit for bit (the page's
     /// head gives the native head's logits), including the extremes of
@@ -318,18 +331,8 @@ mod tests {
     #[test]
     fn the_kernels_give_the_same_bits() {
         let (rows, cols) = (45, 512);
-        let weights: Vec<f32> = (0..rows * cols)
-            .map(|i| match i % 97 {
-                0 => -1.0,
-                1 => 1.0,
-                _ => ((i * 7919) % 1013) as f32 / 506.5 - 1.0,
-            })
-            .collect();
-        let weights = quantized(&weights);
         for batch in [1, 3] {
-            let input: Vec<f32> = (0..batch * cols)
-                .map(|i| ((i * 104729) % 2017) as f32 / 100.0 - 10.0)
-                .collect();
+            let (weights, input) = test_matrix(rows, cols, batch);
             let shape = Shape { rows, cols, batch };
             let mut fast = vec![0f32; batch * rows];
             let mut plain = vec![0f32; batch * rows];

@@ -8,19 +8,15 @@
 //! which keeps the row layout, gives the native head's logits).
 
 use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
-use half::f16;
 
-use super::super::parallel::{self, OutPtr, Shape};
-use super::{bytes_of, BLOCK, BLOCK_BYTES};
+use super::super::interleaved::{run_groups, GROUP};
+use super::super::parallel::Shape;
+use super::{bytes_of, scale_of, BLOCK, BLOCK_BYTES};
 use crate::error::{ModelError, Result};
 
-/// Weight rows per group.
-const GROUP: usize = 8;
 /// One block of a group: eight `d`s (f16), then eight chunks of 32 bytes;
 /// chunk `c` holds values `4c..4c + 4` of each row, plus 128, row after row.
 const GROUP_BLOCK_BYTES: usize = 2 * GROUP + 8 * 32;
-/// Activation rows a kernel call takes.
-const MAX_ACTIVATIONS: usize = 4;
 
 /// A Q8_0 matrix `[rows, cols]` in groups of eight rows (the last group
 /// padded with zero rows).
@@ -37,8 +33,9 @@ struct ActivationRow<'a> {
     sums: &'a [i32],
 }
 
-/// Multiplies `n` (1 or 2) whole groups by up to four activation rows:
-/// `out[r * n + i][j]` is weight row `j` of group `i` times row `r`.
+/// Multiplies `n` (up to `MAX_GROUPS`) whole groups by up to
+/// `MAX_ACTIVATIONS` activation rows: `out[r * n + i][j]` is weight row `j`
+/// of group `i` times row `r`.
 type GroupKernel =
     fn(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
 
@@ -123,36 +120,15 @@ impl InterleavedQ8 {
                 sums: &sums[r * per_row..(r + 1) * per_row],
             })
             .collect();
-        let group_bytes = per_row * GROUP_BLOCK_BYTES;
-        let out_ptr = OutPtr(out.as_mut_ptr());
-        let run = |groups: std::ops::Range<usize>| {
-            let mut sums = [[0f32; GROUP]; 2 * MAX_ACTIVATIONS];
-            let mut g = groups.start;
-            while g < groups.end {
-                let n = 2.min(groups.end - g);
-                let weights = &self.bytes[g * group_bytes..(g + n) * group_bytes];
-                for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
-                    kernel(per_row, weights, xs, &mut sums[..xs.len() * n]);
-                    for (k, lanes) in sums[..xs.len() * n].iter().enumerate() {
-                        let r = tile * MAX_ACTIVATIONS + k / n;
-                        let first = (g + k % n) * GROUP;
-                        let valid = GROUP.min(rows - first);
-                        for (j, &value) in lanes[..valid].iter().enumerate() {
-                            // SAFETY: each (r, o) is written by exactly one
-                            // work item, and r * rows + o < batch * rows.
-                            unsafe { out_ptr.write(r * rows + first + j, value) };
-                        }
-                    }
-                }
-                g += n;
-            }
-        };
-        parallel::split(rows.div_ceil(GROUP), rows * cols * batch, run);
+        run_groups(
+            &self.bytes,
+            per_row * GROUP_BLOCK_BYTES,
+            shape,
+            &activations,
+            |weights, xs, sums| kernel(per_row, weights, xs, sums),
+            out,
+        );
     }
-}
-
-fn half_at(bytes: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
 }
 
 fn kernel() -> GroupKernel {
@@ -174,7 +150,7 @@ fn portable(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32
             for b in 0..per_row {
                 let block = &group[b * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
                 let activations = &x.blocks[b * BLOCK_BYTES..][..BLOCK_BYTES];
-                let dx = half_at(activations, 0);
+                let dx = scale_of(activations);
                 for (j, total) in out.iter_mut().enumerate() {
                     let mut sum = 0i32;
                     for c in 0..8 {
@@ -184,7 +160,7 @@ fn portable(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32
                         }
                     }
                     let sum = sum - 128 * x.sums[b];
-                    *total += (half_at(block, 2 * j) * dx) * sum as f32;
+                    *total += (scale_of(&block[2 * j..]) * dx) * sum as f32;
                 }
             }
         }
@@ -195,7 +171,8 @@ fn portable(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{ActivationRow, BLOCK_BYTES, GROUP, GROUP_BLOCK_BYTES, MAX_ACTIVATIONS};
+    use super::super::super::interleaved::{MAX_ACTIVATIONS, MAX_GROUPS};
+    use super::{ActivationRow, BLOCK_BYTES, GROUP, GROUP_BLOCK_BYTES};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx512f")
@@ -211,7 +188,7 @@ mod avx512 {
         let group_bytes = per_row * GROUP_BLOCK_BYTES;
         let n = groups.len() / group_bytes;
         assert!(
-            (1..=2).contains(&n) && xs.len() <= MAX_ACTIVATIONS,
+            (1..=MAX_GROUPS).contains(&n) && xs.len() <= MAX_ACTIVATIONS,
             "a kernel call too large"
         );
         assert!(out.len() >= n * xs.len(), "a short output");
@@ -315,15 +292,7 @@ mod tests {
     #[test]
     fn the_repacked_matrix_gives_the_row_kernels_bits() {
         let (rows, cols) = (45, 256);
-        let weights: Vec<f32> = (0..rows * cols)
-            .map(|i| match i % 97 {
-                0 => -1.0,
-                1 => 1.0,
-                _ => ((i * 7919) % 1013) as f32 / 506.5 - 1.0,
-            })
-            .collect();
-        let mut blocks = vec![BlockQ8_0::zeros(); rows * cols / BLOCK];
-        BlockQ8_0::from_float(&weights, &mut blocks);
+        let (blocks, _) = super::super::test_matrix(rows, cols, 0);
         let packed = InterleavedQ8::new(&blocks, rows, cols).unwrap();
         let mut kernels: Vec<(&str, GroupKernel)> = vec![("portable", portable)];
         #[cfg(target_arch = "x86_64")]
@@ -331,9 +300,7 @@ mod tests {
             kernels.push(("avx512", avx512::groups));
         }
         for batch in [1, 3, 4, 6] {
-            let input: Vec<f32> = (0..batch * cols)
-                .map(|i| ((i * 104729) % 2017) as f32 / 100.0 - 10.0)
-                .collect();
+            let (_, input) = super::super::test_matrix(rows, cols, batch);
             let shape = Shape { rows, cols, batch };
             let mut by_rows = vec![0f32; batch * rows];
             super::super::matmul_rows(&blocks, shape, &input, &mut by_rows);
