@@ -106,7 +106,7 @@ if [ -n "$outlived" ]; then
 fi
 
 # A smoke run on every change (the corpora in the cache grow from run to
-# run); RELIABILITY.md's figures come from long runs (`--runs 10000000`).
+# run); RELIABILITY.md's figures come from `scripts/reliability.sh`.
 step "fuzzing: each cargo-fuzz target for 20 s (when a nightly toolchain is present)"
 bash scripts/fuzz.sh --seconds 20
 

@@ -348,7 +348,7 @@ async fn serve(
     let limits = config.limits;
     let task = match &config.tls {
         Some(identity) => {
-            let listener = crate::tls::TlsListener::new(listener, identity)?;
+            let listener = crate::tls::TlsListener::new(listener, identity, &limits)?;
             tokio::spawn(serve_bounded(listener, app, limits, std::future::pending()))
         }
         None => tokio::spawn(serve_bounded(listener, app, limits, std::future::pending())),

@@ -7,11 +7,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use corolla_http::HttpLimits;
 use corolla_shared::native::WebSocketTls;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
@@ -23,8 +24,6 @@ pub struct TlsIdentity {
     key: PrivateKeyDer<'static>,
 }
 
-/// A TLS handshake that takes longer than this is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections whose handshake is done but that axum has not taken yet.
 const ACCEPT_QUEUE: usize = 64;
 
@@ -78,15 +77,23 @@ impl TlsIdentity {
 }
 
 /// An https listener for `corolla_http::serve_bounded`: handshakes run in their own tasks
-/// (with a deadline), so a slow or silent client never holds up the others.
+/// (within the header deadline), so a slow or silent client never holds up the others,
+/// and no more of them at once than connections are served: a flood of silent sockets
+/// meets the same cap as on plain HTTP instead of a task and a socket each.
 pub struct TlsListener {
     ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
 }
 
 impl TlsListener {
-    pub fn new(listener: TcpListener, identity: &TlsIdentity) -> Result<Self, ServerError> {
+    pub fn new(
+        listener: TcpListener,
+        identity: &TlsIdentity,
+        limits: &HttpLimits,
+    ) -> Result<Self, ServerError> {
         let acceptor = TlsAcceptor::from(Arc::new(identity.server_config()?));
         let (tx, ready) = mpsc::channel(ACCEPT_QUEUE);
+        let handshakes = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+        let deadline = limits.header_timeout;
         tokio::spawn(async move {
             loop {
                 let (tcp, peer) = match listener.accept().await {
@@ -101,9 +108,16 @@ impl TlsListener {
                 if tx.is_closed() {
                     break;
                 }
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    tracing::debug!(%peer, "TLS handshake refused: as many are under way as connections are served");
+                    drop(tcp);
+                    continue;
+                };
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    let handshake = tokio::time::timeout(deadline, acceptor.accept(tcp)).await;
+                    drop(permit);
+                    match handshake {
                         Ok(Ok(tls)) => {
                             let _ = tx.send((tls, peer)).await;
                         }

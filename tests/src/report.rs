@@ -75,6 +75,37 @@ impl Run {
         }
     }
 
+    /// A run described by `when` alone, for tests of the reports.
+    pub fn fixed(when: &str) -> Self {
+        Run {
+            line: format!("{STAMP}{when}._"),
+        }
+    }
+
+    /// `text` with this run's line under its first line (the title).
+    pub fn stamp_title(&self, text: &str) -> String {
+        match text.split_once('\n') {
+            Some((title, rest)) => format!("{title}\n\n{}\n{rest}", self.line),
+            None => format!("{text}\n\n{}\n", self.line),
+        }
+    }
+
+    /// `text` without any run's line (and the blank line after each).
+    pub fn strip_stamps(text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut lines = text.split_inclusive('\n').peekable();
+        while let Some(line) = lines.next() {
+            if line.starts_with(STAMP) {
+                if lines.peek().is_some_and(|l| l.trim().is_empty()) {
+                    lines.next();
+                }
+                continue;
+            }
+            out.push_str(line);
+        }
+        out
+    }
+
     /// Every `## ` section of `report` with this run's line under its heading.
     pub fn stamp(&self, report: &str) -> String {
         let mut out = String::with_capacity(report.len() + 256);

@@ -3,6 +3,8 @@
 //! the same run. Writes its figures to BENCHMARKS.md.
 //!
 //! Usage: `corolla-bench [--rounds N] [--new-tokens N] [--only-chat | --only-batching | --only-swarm] [--write FILE]`,
+//! or `corolla-bench --reliability DIR [--write FILE]` (RELIABILITY.md from its template and the
+//! figures and logs of `scripts/reliability.sh`),
 //! or `corolla-bench --page-figures DIR [--write FILE]` (the page tests' figures as a section),
 //! or `corolla-bench --wan [--rounds N] [--new-tokens N] [--write FILE]` (as root: the CLI
 //! through servers in network namespaces over delayed links, `corolla_tests::wan_bench`),
@@ -59,6 +61,10 @@ struct BenchArgs {
     /// Writes the figures into this report (a section replaces its own).
     #[arg(long, value_name = "FILE")]
     write: Option<std::path::PathBuf>,
+    /// RELIABILITY.md from its template, the figures the tests wrote to DIR
+    /// and the test logs there (`scripts/reliability.sh`).
+    #[arg(long, value_name = "DIR", group = "section")]
+    reliability: Option<std::path::PathBuf>,
     /// The page tests' figures in DIR, as a section.
     #[arg(long, value_name = "DIR", group = "section")]
     page_figures: Option<std::path::PathBuf>,
@@ -114,6 +120,9 @@ async fn main() -> anyhow::Result<()> {
     }
     let cli = <BenchArgs as clap::Parser>::parse();
     let run = Run::here();
+    if let Some(dir) = &cli.reliability {
+        return corolla_tests::reliability::regenerate(dir, cli.write.as_deref(), &run);
+    }
     if let Some(dir) = &cli.page_figures {
         // Figures the Chromium tests measured, as a section of the report.
         use corolla_tests::page_figures::{page_section, PAGE_HEADING};

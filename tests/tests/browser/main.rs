@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use corolla_model::random::{write_random_checkpoint, RandomSpec};
 use corolla_tests::browser::{browser_missing, native_chat, run_page, run_page_with, PageRun};
 use corolla_tests::netns::NetnsSwarm;
+use corolla_tests::tls::test_certificate;
 use corolla_tests::{default_model, tiny_llama};
 use serde_json::Value;
 
@@ -169,45 +170,4 @@ fn event<'a>(run: &'a PageRun, name: &str) -> &'a Value {
         .iter()
         .find(|e| e["event"] == name)
         .unwrap_or_else(|| panic!("no {name} event: {:?}\n{}", run.events, run.stderr))
-}
-
-/// A self-signed certificate for `ip`, as `--tls-cert`/`--tls-key` take it.
-struct TestTls {
-    cert: std::path::PathBuf,
-    key: std::path::PathBuf,
-}
-
-impl TestTls {
-    fn args(&self) -> [&str; 4] {
-        [
-            "--tls-cert",
-            self.cert.to_str().unwrap(),
-            "--tls-key",
-            self.key.to_str().unwrap(),
-        ]
-    }
-}
-
-fn test_certificate(dir: &Path, ip: &str) -> TestTls {
-    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
-    let made = std::process::Command::new("openssl")
-        .args([
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-        ])
-        .args(["-nodes", "-days", "2", "-subj", "/CN=corolla-test"])
-        .args(["-addext", &format!("subjectAltName=IP:{ip}")])
-        .arg("-keyout")
-        .arg(&key)
-        .arg("-out")
-        .arg(&cert)
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(made, "openssl could not make a test certificate");
-    TestTls { cert, key }
 }

@@ -496,6 +496,11 @@ async fn overlapping_auto_servers_spread_out_while_an_answer_runs() {
         "full coverage {moved_after:?} after the answer started; its route {}, recoveries {}",
         out["route"], out["recoveries"]
     );
+    corolla_tests::reliability::Figures::of(
+        "default_model::overlapping_auto_servers_spread_out_while_an_answer_runs",
+    )
+    .set("moved_s", format!("{:.1}", moved_after.as_secs_f64()))
+    .save();
 
     // The automatic servers alone answer now, the same tokens.
     fixed.leave().await;

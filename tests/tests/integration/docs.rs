@@ -199,6 +199,9 @@ fn every_flag_the_documents_name_exists() {
 fn reliability_names_flags_and_tests_that_exist() {
     let root = repo_root();
     let text = std::fs::read_to_string(root.join("RELIABILITY.md")).expect("RELIABILITY.md");
+    let template =
+        std::fs::read_to_string(corolla_tests::reliability::template_path()).expect("the template");
+    let text = format!("{text}\n{template}");
     check_flags_exist("RELIABILITY.md", &text, &accepted_flags());
     let mut sources = Vec::new();
     for krate in [
@@ -222,7 +225,7 @@ fn reliability_names_flags_and_tests_that_exist() {
             )
         })
         .collect();
-    let cited = cited_tests(&text);
+    let cited = corolla_tests::reliability::cited_tests(&text);
     assert!(cited.len() >= 20, "too few tests found cited: {cited:?}");
     let missing: Vec<&String> = cited
         .iter()
@@ -234,22 +237,19 @@ fn reliability_names_flags_and_tests_that_exist() {
     );
 }
 
-/// Backticked Rust paths (`area::test_name`, `module::tests`).
-fn cited_tests(text: &str) -> BTreeSet<String> {
-    text.split('`')
-        .skip(1)
-        .step_by(2)
-        .filter(|s| {
-            s.contains("::")
-                && s.split("::").all(|part| {
-                    !part.is_empty()
-                        && part
-                            .chars()
-                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-                })
-        })
-        .map(str::to_string)
-        .collect()
+/// RELIABILITY.md is written by `scripts/reliability.sh` from its template:
+/// a hand edit, or a template changed without a new run, fails here.
+#[test]
+fn reliability_is_its_template_rendered() {
+    use corolla_tests::reliability::{is_rendering_of, template_path};
+    let template = std::fs::read_to_string(template_path()).expect("the template");
+    let report =
+        std::fs::read_to_string(repo_root().join("RELIABILITY.md")).expect("RELIABILITY.md");
+    assert!(
+        is_rendering_of(&template, &report),
+        "RELIABILITY.md is not tests/reliability.md.in rendered: run `bash scripts/reliability.sh` \
+         (edit the template, not the report)"
+    );
 }
 
 /// `a::b::name` exists when a file whose path names `b` (a module) holds

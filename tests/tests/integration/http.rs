@@ -6,6 +6,7 @@ use std::io::Read;
 use std::path::Path;
 
 use corolla_model::gguf::GgufFile;
+use corolla_tests::reliability::Figures;
 use corolla_tests::{start_model_server, start_server, tiny_llama, write_tiny_gguf};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -29,6 +30,38 @@ fn get(url: &str) -> (u16, Vec<u8>, HashMap<String, String>) {
     let mut body = Vec::new();
     response.into_reader().read_to_end(&mut body).unwrap();
     (status, body, headers)
+}
+
+/// How many of `sockets` the server has closed (read at once: an end of
+/// stream or a reset).
+fn closed_by_the_server(sockets: &[std::net::TcpStream]) -> usize {
+    sockets
+        .iter()
+        .filter(|socket| {
+            let mut socket: &std::net::TcpStream = socket;
+            socket.set_nonblocking(true).expect("a nonblocking socket");
+            let mut byte = [0u8; 1];
+            !matches!(socket.read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
+        .count()
+}
+
+/// Opens `n` sockets to `addr` and waits (under a second) until all but
+/// `kept` are closed by the server; returns them and how many it closed.
+fn flood(addr: &str, n: usize, kept: usize) -> (Vec<std::net::TcpStream>, usize) {
+    let sockets: Vec<_> = (0..n)
+        .filter_map(|_| std::net::TcpStream::connect(addr).ok())
+        .collect();
+    let started = std::time::Instant::now();
+    loop {
+        let closed = closed_by_the_server(&sockets);
+        if closed + kept >= sockets.len()
+            || started.elapsed() > std::time::Duration::from_millis(900)
+        {
+            return (sockets, closed);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 fn get_json(url: &str) -> Value {
@@ -311,17 +344,15 @@ async fn http_refuses_floods_long_paths_dotfiles_and_the_way_out() {
     .await
     .unwrap();
 
-    // 300 idle sockets: HTTP beyond 16 is closed on arrival, and the libp2p
-    // side still takes new peers.
+    // 300 idle sockets: HTTP beyond 16 is closed on arrival (before the
+    // header deadline of the 16 let in), and the libp2p side still takes
+    // new peers.
     let addr = host.clone();
-    let flood = tokio::task::spawn_blocking(move || {
-        (0..300)
-            .filter_map(|_| TcpStream::connect(&addr).ok())
-            .collect::<Vec<_>>()
-    })
-    .await
-    .unwrap();
-    assert!(flood.len() >= 16);
+    let (flood, closed) = tokio::task::spawn_blocking(move || flood(&addr, 300, 16))
+        .await
+        .unwrap();
+    assert_eq!(flood.len(), 300);
+    assert_eq!(closed, 300 - 16, "sockets beyond the cap of 16 closed");
     let node = corolla_client::network::connect(&[server.tcp_addr().unwrap().clone()])
         .await
         .unwrap();
@@ -341,4 +372,80 @@ async fn http_refuses_floods_long_paths_dotfiles_and_the_way_out() {
         .unwrap();
     assert_eq!(after, 200);
     server.shutdown();
+    Figures::of("http::http_refuses_floods_long_paths_dotfiles_and_the_way_out")
+        .set("sockets", 300)
+        .set("closed", closed)
+        .save();
+}
+
+/// Over https the same flood meets the same cap: handshakes under way
+/// count against `--http-max-connections`, a silent one is dropped at the
+/// header deadline, and https answers again once they go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_handshakes_are_bounded_like_connections() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tls = corolla_tests::tls::test_certificate(tmp.path(), "127.0.0.1");
+    let mut args = vec![
+        "--http-port",
+        "0",
+        "--http-max-connections",
+        "16",
+        "--http-header-timeout",
+        "1s",
+    ];
+    args.extend(tls.args());
+    let server = start_server("0:4", None, &args).await;
+    let url = server.http_url().unwrap().to_string();
+    assert!(url.starts_with("https://"), "{url}");
+    let host = url.trim_start_matches("https://").to_string();
+    let status = |url: String| {
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sk",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--max-time",
+                "5",
+            ])
+            .arg(format!("{url}/api/status"))
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let base = url.clone();
+    assert_eq!(
+        tokio::task::spawn_blocking(move || status(base))
+            .await
+            .unwrap(),
+        "200"
+    );
+
+    let (flood, closed) = tokio::task::spawn_blocking(move || flood(&host, 300, 16))
+        .await
+        .unwrap();
+    assert_eq!(flood.len(), 300);
+    assert_eq!(closed, 300 - 16, "sockets beyond 16 handshakes closed");
+    // The silent 16 are dropped at the header deadline (1 s), then https
+    // answers again, the sockets still open on this side.
+    let started = std::time::Instant::now();
+    let answered = loop {
+        let base = url.clone();
+        let code = tokio::task::spawn_blocking(move || status(base))
+            .await
+            .unwrap();
+        if code == "200" || started.elapsed() > std::time::Duration::from_secs(8) {
+            break code;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    let back_after = started.elapsed();
+    assert_eq!(answered, "200", "https never answered again");
+    drop(flood);
+    server.shutdown();
+    Figures::of("http::https_handshakes_are_bounded_like_connections")
+        .set("closed", closed)
+        .set("back_s", format!("{:.1}", back_after.as_secs_f64()))
+        .save();
 }

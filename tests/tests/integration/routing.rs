@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use corolla_client::network::connect;
 use corolla_tests::hostile::{lying_server_at, Lie};
+use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 use libp2p::PeerId;
 
@@ -19,22 +20,31 @@ use super::tiny_reference::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_of_fakes_on_one_host_costs_one_try() {
     // The fakes' host becomes suspect after the first failure.
-    a_crowd_of_fakes_costs_one_try(|_| Ipv4Addr::new(127, 66, 0, 1)).await;
+    a_crowd_of_fakes_costs_one_try(
+        "routing::a_crowd_of_fakes_on_one_host_costs_one_try",
+        |_| Ipv4Addr::new(127, 66, 0, 1),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_of_fakes_on_many_hosts_costs_one_try() {
     // Each fake in a network of its own (a botnet): the record they all
     // copied becomes suspect after the first failure.
-    a_crowd_of_fakes_costs_one_try(|i| Ipv4Addr::new(127, 70 + i as u8, 0, 1)).await;
+    a_crowd_of_fakes_costs_one_try(
+        "routing::a_crowd_of_fakes_on_many_hosts_costs_one_try",
+        |i| Ipv4Addr::new(127, 70 + i as u8, 0, 1),
+    )
+    .await;
 }
 
 /// Ten copies of the honest record at a billion tokens per second, the
 /// i-th at `host(i)`: ten refusing every Open, ten answering NaN, then ten
 /// never answering a step. The client has 8 retries and a 10 s step
 /// timeout; before, it spent all retries on the crowd.
-async fn a_crowd_of_fakes_costs_one_try(host: impl Fn(usize) -> Ipv4Addr) {
+async fn a_crowd_of_fakes_costs_one_try(test: &str, host: impl Fn(usize) -> Ipv4Addr) {
     let reference = Reference::load();
+    let mut figures = Figures::of(test);
     let (server, boot, honest) = server_to_copy().await;
     for (seed, lie) in [Lie::Busy, Lie::NotANumber, Lie::Silent]
         .into_iter()
@@ -63,12 +73,17 @@ async fn a_crowd_of_fakes_costs_one_try(host: impl Fn(usize) -> Ipv4Addr) {
         // One step timeout at most, not one per fake.
         let seconds = started_answer.elapsed().as_secs_f64();
         assert!(seconds < 25.0, "{lie:?}: {seconds:.1} s");
+        let lie = format!("{lie:?}").to_lowercase();
+        figures
+            .set(&format!("{lie}_seconds"), format!("{seconds:.1}"))
+            .set(&format!("{lie}_recoveries"), failed);
         chain.close().await;
         for (_, task) in crowd {
             task.abort();
         }
     }
     server.shutdown();
+    figures.save();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -88,6 +103,7 @@ async fn a_server_slower_than_it_claims_is_left_within_a_few_steps() {
     // Chosen first for its announced speed, then left after two late steps.
     assert_eq!(recoveries.len(), 1, "{recoveries:?}");
     assert_eq!(recoveries[0].failed_peer, late.peer_id().to_string());
+    let recoveries_step = recoveries[0].step;
     assert!(
         recoveries[0].step <= 3,
         "left at step {}",
@@ -105,4 +121,9 @@ async fn a_server_slower_than_it_claims_is_left_within_a_few_steps() {
     chain.close().await;
     late.shutdown();
     honest.shutdown();
+    Figures::of("routing::a_server_slower_than_it_claims_is_left_within_a_few_steps")
+        .set("left_at_step", recoveries_step)
+        .set("tokens", NEW_TOKENS)
+        .set("seconds", format!("{seconds:.1}"))
+        .save();
 }

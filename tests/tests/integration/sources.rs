@@ -15,6 +15,7 @@ use corolla_tests::forwarder::{connect_from, Forwarder};
 use corolla_tests::hostile::{
     ask_relay_slot, connect_through_relay, exchange, open_stream, read_reply,
 };
+use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, Stream};
@@ -142,7 +143,8 @@ async fn a_crowd_of_identities_from_one_address_leaves_the_server_to_others() {
     let started = Instant::now();
     let (tokens, chain) = swarm_tokens(&reference, &honest, settings(64), 2).await;
     assert_eq!(tokens, reference.tokens(2).await);
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let served_after = started.elapsed();
+    assert!(served_after < Duration::from_secs(10));
     chain.close().await;
     assert_eq!(evicted(&mut held).await, 1, "one crowd session made room");
 
@@ -161,13 +163,24 @@ async fn a_crowd_of_identities_from_one_address_leaves_the_server_to_others() {
             "{reply:?}"
         );
     }
+    let idle_closed_after = started.elapsed();
     assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        started.elapsed()
+        idle_closed_after < Duration::from_secs(8),
+        "{idle_closed_after:?}"
     );
     drop(via);
     server.shutdown();
+    Figures::of("sources::a_crowd_of_identities_from_one_address_leaves_the_server_to_others")
+        .set("silent_sockets", 70)
+        .set("identities", 10)
+        .set("connected", connected.len())
+        .set("sessions_held", 4)
+        .set("served_ms", served_after.as_millis())
+        .set(
+            "idle_closed_s",
+            format!("{:.1}", idle_closed_after.as_secs_f64()),
+        )
+        .save();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -207,6 +220,9 @@ async fn a_crowd_cannot_hold_the_kv_cache_with_long_sessions() {
     assert_eq!(evicted(&mut held).await, 1, "one crowd session made room");
     drop(via);
     server.shutdown();
+    Figures::of("sources::a_crowd_cannot_hold_the_kv_cache_with_long_sessions")
+        .set("evicted", 1)
+        .save();
 }
 
 /// A relay's slots are shared between addresses: twenty identities from one
@@ -245,6 +261,9 @@ async fn a_crowd_cannot_take_a_relays_slots() {
     }
     honest_task.abort();
     relay.shutdown();
+    Figures::of("sources::a_crowd_cannot_take_a_relays_slots")
+        .set("granted", granted)
+        .save();
 }
 
 /// A relay's circuits are shared between addresses too: a crowd of
@@ -298,4 +317,7 @@ async fn a_crowd_cannot_take_a_relays_circuits() {
     honest_task.abort();
     behind_task.abort();
     relay.shutdown();
+    Figures::of("sources::a_crowd_cannot_take_a_relays_circuits")
+        .set("through", through)
+        .save();
 }

@@ -75,4 +75,12 @@ fn the_api_bounds_its_connections_header_time_and_tokens() {
         "{json}"
     );
     println!("API bounds: 9th connection closed, 8 idle sockets closed after {closed_after:?}");
+    corolla_tests::reliability::Figures::of(
+        "api::bounds::the_api_bounds_its_connections_header_time_and_tokens",
+    )
+    .set(
+        "idle_closed_s",
+        format!("{:.1}", closed_after.as_secs_f64()),
+    )
+    .save();
 }

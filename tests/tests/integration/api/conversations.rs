@@ -55,4 +55,10 @@ async fn the_api_holds_more_conversations_than_one_peer_may() {
     assert_eq!(held.0, 1, "one identity holds one session there");
     assert_eq!(held.1, 3, "three identities keep three conversations");
     server.shutdown();
+    corolla_tests::reliability::Figures::of(
+        "api::conversations::the_api_holds_more_conversations_than_one_peer_may",
+    )
+    .set("one_identity", held.0)
+    .set("three_identities", held.1)
+    .save();
 }

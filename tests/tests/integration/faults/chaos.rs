@@ -110,4 +110,11 @@ async fn chaos_every_session_completes_token_identical() {
     assert_eq!(mismatches, 0);
     assert!(kills >= 5, "too few kills ({kills}) to mean anything");
     assert!(recoveries >= 1, "no session met a failure");
+    corolla_tests::reliability::Figures::of(
+        "faults::chaos::chaos_every_session_completes_token_identical",
+    )
+    .set("sessions", SESSIONS)
+    .set("kills", kills)
+    .set("recoveries", recoveries)
+    .save();
 }

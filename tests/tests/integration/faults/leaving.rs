@@ -204,4 +204,11 @@ async fn a_leaving_server_costs_its_sessions_less_than_a_vanished_one() {
         "a silent server is only given up after the step timeout: {vanished:?}"
     );
     assert!(left * 2 < vanished, "{left:?} vs {vanished:?}");
+    corolla_tests::reliability::Figures::of(
+        "faults::leaving::a_leaving_server_costs_its_sessions_less_than_a_vanished_one",
+    )
+    .set("term_ms", format!("{:.1}", left.as_secs_f64() * 1000.0))
+    .set("kill_ms", format!("{:.1}", killed.as_secs_f64() * 1000.0))
+    .set("stop_s", format!("{:.2}", vanished.as_secs_f64()))
+    .save();
 }

@@ -11,6 +11,7 @@ use corolla_client::swarm_view::SwarmView;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain};
 use corolla_model::Device;
 use corolla_tests::hostile::{lying_server, Lie};
+use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 
 use crate::tiny_reference::{
@@ -55,6 +56,9 @@ async fn lies_about_speed_and_impossible_outputs_are_survived() {
         task.abort();
     }
     server.shutdown();
+    Figures::of("trust::liars::lies_about_speed_and_impossible_outputs_are_survived")
+        .set("lies", 4)
+        .save();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,6 +109,11 @@ async fn spot_checks_catch_a_corrupting_replica() {
     );
     assert!(caught_as_primary >= 15);
     swarm.shutdown();
+    Figures::of("trust::liars::spot_checks_catch_a_corrupting_replica")
+        .set("unchecked_changed", format!("{changed}/3"))
+        .set("answers", 30)
+        .set("caught_as_primary", caught_as_primary)
+        .save();
 }
 
 /// A server that returns honest outputs to the client but pushes others to
@@ -180,6 +189,9 @@ async fn a_push_liar_is_named_and_the_server_after_it_never_blamed() {
     for s in [liar, honest_first, next, next_replica] {
         s.shutdown();
     }
+    Figures::of("trust::liars::a_push_liar_is_named_and_the_server_after_it_never_blamed")
+        .set("answers", 12)
+        .save();
 }
 
 /// A server lying on 30 % of its steps against the default spot-check rate
@@ -252,6 +264,10 @@ async fn a_frequent_liar_is_caught_early_at_the_default_rate() {
     // answers about half the time; checked as a new identity, 1 in 2000.
     assert!(caught_in <= 1, "caught only in answer {caught_in}");
     swarm.shutdown();
+    Figures::of("trust::liars::a_frequent_liar_is_caught_early_at_the_default_rate")
+        .set("caught_in", ["first", "second"][caught_in as usize])
+        .set("wrong", wrong_before)
+        .save();
 }
 
 /// Chaos: kills, restarts, graceful leaves, a slow server and a corrupting
@@ -351,6 +367,7 @@ async fn chaos_with_a_liar_every_session_completes_token_identical() {
         chain.close().await;
     }
     done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let elapsed = started.elapsed();
     let (kills, leaves) = chaos.await.unwrap();
     println!(
         "chaos with a liar: {SESSIONS} sessions in {:.0} s, {kills} kills, {leaves} graceful leaves, \
@@ -367,4 +384,19 @@ async fn chaos_with_a_liar_every_session_completes_token_identical() {
     for s in honest.lock().unwrap().drain(..) {
         s.shutdown();
     }
+    Figures::of("trust::liars::chaos_with_a_liar_every_session_completes_token_identical")
+        .set("sessions", SESSIONS)
+        .set("seconds", format!("{:.0}", elapsed.as_secs_f64()))
+        .set(
+            "identical",
+            format!(
+                "{:.0} %",
+                100.0 * (SESSIONS as usize - mismatches) as f64 / SESSIONS as f64
+            ),
+        )
+        .set("kills", kills)
+        .set("leaves", leaves)
+        .set("recoveries", recoveries)
+        .set("caught", caught)
+        .save();
 }

@@ -14,6 +14,7 @@ use corolla_shared::session::fetch_info;
 use corolla_tests::hostile::{
     exchange, hidden_payload, open_stream, read_reply, resident_memory_bytes,
 };
+use corolla_tests::reliability::Figures;
 use corolla_tests::{start_model_server, start_server};
 
 use crate::tiny_reference::{
@@ -46,6 +47,7 @@ async fn one_peer_cannot_lock_a_server() {
         }
     }
     assert_eq!(held.len(), 2, "{refusals:?}");
+    let held_count = held.len();
     assert!(
         refusals
             .iter()
@@ -111,8 +113,15 @@ async fn one_peer_cannot_lock_a_server() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let freed_after = started.elapsed();
     let _ = stingy.close().await;
     server.shutdown();
+    Figures::of("trust::limits::one_peer_cannot_lock_a_server")
+        .set("opened", held_count)
+        .set("refused", refusals.len())
+        .set("refusal", &refusals[0].1)
+        .set("freed_s", format!("{:.1}", freed_after.as_secs_f64()))
+        .save();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,6 +198,40 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
             streams.push(s);
         }
     }
+    // A seventh stream of one peer, and streams beyond 40 in all, are
+    // refused (the rest get no answer: they wait for their frames).
+    let refused_within = |node: NodeHandle| async move {
+        let mut s = open_stream(&node, peer).await;
+        let mut bytes = max_frame.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[0; 10]);
+        if s.write_all(&bytes).await.is_err() || s.flush().await.is_err() {
+            return (Some("stream closed".to_string()), s);
+        }
+        let reply = read_reply(&mut s, Duration::from_secs(1)).await;
+        (reply.map(|(_, message)| message), s)
+    };
+    let (seventh, _) = refused_within(attackers[0].clone()).await;
+    let seventh = seventh.expect("a seventh stream of one peer is refused");
+    assert!(seventh.contains("this peer has 6 streams"), "{seventh}");
+    let newcomer = client_of(&server).await;
+    let mut newcomer_streams = Vec::new();
+    let mut beyond_total = Vec::new();
+    for _ in 0..6 {
+        let (refusal, s) = refused_within(newcomer.clone()).await;
+        match refusal {
+            Some(message) => beyond_total.push(message),
+            None => newcomer_streams.push(s),
+        }
+    }
+    assert_eq!(
+        (newcomer_streams.len(), beyond_total.len()),
+        (4, 2),
+        "40 streams in all: {beyond_total:?}"
+    );
+    assert!(
+        beyond_total.iter().all(|m| m.contains("40/40 streams")),
+        "{beyond_total:?}"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let grown = resident_memory_bytes().saturating_sub(before);
     let naive = streams.len() as u64 * u64::from(max_frame);
@@ -203,6 +246,20 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
         "grew {grown} bytes for {naive} announced"
     );
     server.shutdown();
+    Figures::of("trust::limits::announced_frame_lengths_cost_nothing_until_sent")
+        .set("streams", streams.len() + newcomer_streams.len())
+        .set("max_frame", max_frame)
+        .set(
+            "naive_mib",
+            (naive + newcomer_streams.len() as u64 * u64::from(max_frame)) >> 20,
+        )
+        .set(
+            "grown_mib",
+            format!("{:.1}", grown as f64 / f64::from(1 << 20)),
+        )
+        .set("seventh", seventh)
+        .set("beyond_total", &beyond_total[0])
+        .save();
 }
 
 /// Tokens per second of one honest answer (median of `rounds`).
@@ -237,6 +294,17 @@ async fn an_honest_client_keeps_its_speed_under_attack() {
     // they may open, sessions held at the per-peer cap and fed bad frames.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut attacks = Vec::new();
+    // The largest frame this server takes: 256 positions of the tiny
+    // model's 64 f32 hidden states, and the message around them (a larger
+    // announcement is refused at once and holds nothing).
+    let largest_frame = u32::try_from(
+        corolla_shared::limits::Limits {
+            max_tensor_bytes: 256 * 64 * 4,
+            ..corolla_shared::limits::Limits::DEFAULT
+        }
+        .max_frame_bytes(),
+    )
+    .expect("a small frame");
     for _ in 0..4 {
         let node = client_of(&server).await;
         let stop = stop.clone();
@@ -244,7 +312,7 @@ async fn an_honest_client_keeps_its_speed_under_attack() {
             let mut announced = Vec::new();
             for _ in 0..2 {
                 let mut s = open_stream(&node, peer).await;
-                let _ = s.write_all(&(4u32 << 20).to_le_bytes()).await;
+                let _ = s.write_all(&largest_frame.to_le_bytes()).await;
                 let _ = s.flush().await;
                 announced.push(s);
             }
@@ -284,4 +352,10 @@ async fn an_honest_client_keeps_its_speed_under_attack() {
         ratio >= 0.5,
         "the attack slowed the honest client to {ratio:.2}×"
     );
+    Figures::of("trust::limits::an_honest_client_keeps_its_speed_under_attack")
+        .set("largest_frame", largest_frame)
+        .set("calm", format!("{calm:.1}"))
+        .set("attacked", format!("{attacked:.1}"))
+        .set("ratio", format!("{ratio:.2}"))
+        .save();
 }

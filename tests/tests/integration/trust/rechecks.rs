@@ -7,6 +7,7 @@ use corolla_client::network::connect;
 use corolla_client::swarm_view::SwarmView;
 use corolla_client::{generate, AnswerEvent, GenerateRequest, LocalChain, RemoteChain};
 use corolla_model::Device;
+use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 
 use crate::tiny_reference::{request, settings, Reference};
@@ -33,6 +34,9 @@ async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
     // The honest replica is the slower one, so routes choose the liar.
     let slower = ["--update-period", "1s", "--step-delay-ms", "30"];
     let lying = ["--update-period", "1s", "--corrupt-outputs", "1.0"];
+    let mut figures = Figures::of(
+        "trust::rechecks::a_liar_caught_mid_answer_has_the_answer_so_far_computed_again",
+    );
     for (liar_blocks, other_blocks) in [("2:4", "0:2"), ("0:2", "2:4")] {
         let other = start_server(other_blocks, None, &flags).await;
         let boot = other.tcp_addr().unwrap().to_string();
@@ -114,5 +118,10 @@ async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
         for s in [other, honest, liar] {
             s.shutdown();
         }
+        let blocks = liar_blocks.replace(':', "_");
+        figures
+            .set(&format!("rechecked_{blocks}"), rechecked)
+            .set(&format!("withdrawn_{blocks}"), withdrawn);
     }
+    figures.save();
 }

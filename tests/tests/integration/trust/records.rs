@@ -9,6 +9,7 @@ use corolla_client::network::{connect, connect_with};
 use corolla_shared::node::server_dht_key;
 use corolla_shared::session::fetch_info;
 use corolla_tests::hostile::forge_record;
+use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 
 use crate::tiny_reference::{expected_hashes, MODEL};
@@ -83,11 +84,29 @@ async fn a_record_listing_a_hundred_addresses_gets_a_few_dialed() {
         "{dialed} of the record's 100 addresses were dialed"
     );
     server.shutdown();
+    Figures::of("trust::records::a_record_listing_a_hundred_addresses_gets_a_few_dialed")
+        .set("dialed", dialed)
+        .set("most", corolla_shared::node::MAX_ADDRESSES_PER_PEER)
+        .save();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nobody_can_forge_a_servers_record() {
-    let server = start_server("0:4", None, &["--update-period", "60s"]).await;
+    // The server's key in a file, so the test can sign an old record with
+    // it: what replaying a captured record amounts to.
+    let keys = tempfile::tempdir().unwrap();
+    let identity = keys.path().join("server.key");
+    let server = start_server(
+        "0:4",
+        None,
+        &[
+            "--update-period",
+            "60s",
+            "--identity",
+            identity.to_str().unwrap(),
+        ],
+    )
+    .await;
     let boot = server.tcp_addr().unwrap().clone();
     let honest = server.peer_id();
     let key = server_dht_key(&honest);
@@ -108,7 +127,16 @@ async fn nobody_can_forge_a_servers_record() {
     // A record the attacker may sign, under the honest server's key.
     let mut theirs = forged.clone();
     theirs.peer_id = other.public().to_peer_id().to_string();
-    forge_record(&boot, key, theirs.sign(&other).unwrap()).await;
+    forge_record(&boot, key.clone(), theirs.sign(&other).unwrap()).await;
+    // The server's own signature over an older record (other hashes): the
+    // store keeps the newest, so a replayed record cannot roll it back.
+    let honest_key =
+        libp2p::identity::Keypair::from_protobuf_encoding(&std::fs::read(&identity).unwrap())
+            .unwrap();
+    let mut replayed = forged.clone();
+    replayed.published_at_ms = before[0].published_at_ms - 1;
+    assert!(replayed.published_at_ms > 0, "the honest record is dated");
+    forge_record(&boot, key, replayed.sign(&honest_key).unwrap()).await;
 
     let fresh = connect(&[boot]).await.unwrap();
     let after = fresh.discover(MODEL, Duration::from_secs(5)).await.unwrap();
