@@ -29,10 +29,10 @@ failed=0
 cargo test --locked -p corolla-tests --test integration -- \
     trust:: sources:: routing:: protocol:: http:: api:: faults:: default_model::overlapping \
     --test-threads 1 2>&1 | tee "$figures/integration.log" || failed=1
-# The limiters' and identity files' unit tests.
-cargo test --locked -p corolla-server --lib -- quota:: identity:: 2>&1 | tee "$figures/server.log" || failed=1
-cargo test --locked -p corolla-shared --lib -- relay_shares:: record::tests peers:: 2>&1 | tee "$figures/shared.log" || failed=1
-cargo test --locked -p corolla-client --lib -- api::error:: 2>&1 | tee "$figures/client.log" || failed=1
+# The limiters' and identity files' unit tests (every crate's, from the
+# workspace build: one crate alone would build with other features).
+cargo test --locked --workspace --lib -- quota:: identity:: relay_shares:: record::tests peers:: api::error:: \
+    2>&1 | tee "$figures/units.log" || failed=1
 # Every decoder of untrusted bytes (needs a nightly toolchain; without one
 # the fuzzing rows show as not measured).
 bash scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-120}" || failed=1
