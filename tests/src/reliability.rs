@@ -106,19 +106,54 @@ impl TestOutcomes {
         outcomes
     }
 
+    /// A test's `test NAME ... ` line may end in what its processes
+    /// printed meanwhile, its outcome alone on a later line; failed tests
+    /// are listed again under `failures:`.
     fn add(&mut self, log: &str) {
+        let mut pending: Option<&str> = None;
+        let mut in_failures = false;
         for line in log.lines() {
-            let Some(rest) = line.strip_prefix("test ") else {
+            if let Some((name, outcome)) = line
+                .strip_prefix("test ")
+                .and_then(|rest| rest.split_once(" ... "))
+            {
+                pending = None;
+                match outcome.trim() {
+                    "ok" => {
+                        self.passed.insert(name.to_string());
+                    }
+                    "FAILED" | "ignored" => {
+                        self.failed.insert(name.to_string());
+                    }
+                    _ => pending = Some(name),
+                }
                 continue;
-            };
-            let Some((name, outcome)) = rest.split_once(" ... ") else {
-                continue;
-            };
-            match outcome.trim() {
-                "ok" => self.passed.insert(name.to_string()),
-                _ => self.failed.insert(name.to_string()),
-            };
+            }
+            match (line.trim(), pending) {
+                ("ok", Some(name)) => {
+                    self.passed.insert(name.to_string());
+                    pending = None;
+                }
+                ("FAILED" | "ignored", Some(name)) => {
+                    self.failed.insert(name.to_string());
+                    pending = None;
+                }
+                _ => {}
+            }
+            if line == "failures:" {
+                in_failures = true;
+            } else if in_failures {
+                match line.strip_prefix("    ") {
+                    Some(name) if !name.contains(' ') => {
+                        self.failed.insert(name.to_string());
+                    }
+                    _ if line.starts_with("test result:") => in_failures = false,
+                    _ => {}
+                }
+            }
         }
+        // A test failed, then listed: it did not pass.
+        self.passed.retain(|name| !self.failed.contains(name));
     }
 
     pub fn from_logs(dir: &Path) -> anyhow::Result<Self> {
@@ -301,6 +336,28 @@ mod tests {
         let failed = TestOutcomes::parse("test a::b_test ... FAILED\n");
         let rendered = render(TEMPLATE, &figures, &failed, &run);
         assert_eq!(rendered.unconfirmed_tests, vec!["a::b_test".to_string()]);
+    }
+
+    #[test]
+    fn outcomes_are_read_through_what_tests_printed() {
+        let log = "test a::b ... ok\n\
+            test a::c ... WARN something a server printed\n\
+            more of it\n\
+            ok\n\
+            test a::d ... \n\
+            FAILED\n\
+            test a::e ... ok\n\
+            failures:\n\
+            \n\
+            ---- a::e stdout ----\n\
+            failures:\n    a::d\n    a::e\n\n\
+            test result: FAILED. 2 passed; 2 failed\n";
+        let outcomes = TestOutcomes::parse(log);
+        assert!(outcomes.confirms("a::b"));
+        assert!(outcomes.confirms("a::c"));
+        assert!(!outcomes.confirms("a::d"));
+        assert!(!outcomes.confirms("a::e"));
+        assert!(!outcomes.confirms("a::"), "a failure under a prefix");
     }
 
     #[test]
