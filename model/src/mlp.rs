@@ -50,11 +50,13 @@ impl Mlp {
         let gate = loras.add_rows(Target::Gate, x, rows, gate)?;
         let up = loras.add_rows(Target::Up, x, rows, up)?;
         // Candle's SiLU of f32, then the product: the same two roundings.
-        let gated: Vec<f32> = gate
-            .iter()
-            .zip(&up)
-            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-            .collect();
+        let mut gated = vec![0f32; gate.len()];
+        crate::quant::parallel::for_parts(&mut gated, 512, |start, part| {
+            let (gate, up) = (&gate[start..], &up[start..]);
+            for ((out, &g), &u) in part.iter_mut().zip(gate).zip(up) {
+                *out = g / (1.0 + (-g).exp()) * u;
+            }
+        });
         let down = self.down_proj.forward_rows(&gated, rows)?;
         loras.add_rows(Target::Down, &gated, rows, down)
     }

@@ -147,6 +147,27 @@ pub(crate) fn split(units: usize, work: usize, run: impl Fn(std::ops::Range<usiz
     });
 }
 
+/// Calls `run(start, part)` for parts of `out` (`start`: the part's first
+/// index) over the threads of the forward, parts of at least `min_part`
+/// values: element-wise work between two products, which would otherwise
+/// leave the other threads spinning.
+pub(crate) fn for_parts(out: &mut [f32], min_part: usize, run: impl Fn(usize, &mut [f32]) + Sync) {
+    let len = out.len();
+    let parts = crate::pool::threads().min(len / min_part.max(1)).max(1);
+    if parts == 1 {
+        run(0, out);
+        return;
+    }
+    let per_part = len.div_ceil(parts);
+    let out = OutPtr(out.as_mut_ptr());
+    crate::pool::for_each(parts, &|part| {
+        let start = part * per_part;
+        let end = ((part + 1) * per_part).min(len);
+        // SAFETY: parts are disjoint ranges of `out`, each written by one item.
+        run(start, unsafe { out.slice(start, end - start) });
+    });
+}
+
 /// Where the work items write their outputs.
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub *mut f32);

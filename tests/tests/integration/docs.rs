@@ -30,9 +30,11 @@ const OTHER_TOOLS: &[&str] = &[
     // the test harness (`cargo test -- --nocapture`)
     "--nocapture",
     // scripts/fuzz.sh
-    "--record",
+    "--seconds",
     "--runs",
     "--targets",
+    // scripts/reliability.sh's test runs
+    "--test-threads",
 ];
 
 fn repo_root() -> PathBuf {
