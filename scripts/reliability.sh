@@ -4,7 +4,7 @@
 # unit tests of the limiters), every fuzz target, then the report rendered
 # from tests/reliability.md.in with the figures the tests wrote.
 #
-#   bash scripts/reliability.sh                  fuzz targets 120 s each (~25 min in all)
+#   bash scripts/reliability.sh                  fuzz targets 120 s each (~16 min in all, built)
 #   FUZZ_SECONDS=600 bash scripts/reliability.sh longer fuzzing
 #
 # It fails, naming them, when a cited test failed or did not run or a figure
