@@ -59,6 +59,13 @@ async fn three_servers() -> Vec<RunningServer> {
     let first = start("0:1", None).await;
     let second = start("1:3", Some(&first)).await;
     let third = start("3:4", Some(&first)).await;
+    // The CLI's one lookup must find all three: on two cores shared with
+    // other tests an announcement can lag the server's start.
+    let watcher =
+        corolla_client::network::connect(&[first.tcp_addr().expect("tcp address").clone()])
+            .await
+            .expect("a client of the swarm");
+    crate::trust::until_servers(&watcher, 3).await;
     vec![first, second, third]
 }
 

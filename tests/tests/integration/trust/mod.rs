@@ -23,7 +23,7 @@ mod refusals;
 
 /// Waits (at most 30 s: tests run side by side on two cores) until the DHT
 /// lists `count` servers of the model.
-async fn until_servers(node: &NodeHandle, count: usize) {
+pub(crate) async fn until_servers(node: &NodeHandle, count: usize) {
     let started = Instant::now();
     while node
         .discover(MODEL, Duration::from_secs(2))
