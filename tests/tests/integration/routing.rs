@@ -14,7 +14,7 @@ use corolla_tests::start_server;
 use libp2p::PeerId;
 
 use super::tiny_reference::{
-    client_of, server_to_copy, settings, swarm_tokens, until_announced, Reference, NEW_TOKENS,
+    client_of, server_to_copy, settings, swarm_tokens, until_most_announced, Reference, NEW_TOKENS,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -57,7 +57,7 @@ async fn a_crowd_of_fakes_costs_one_try(test: &str, host: impl Fn(usize) -> Ipv4
         }
         let fakes: Vec<PeerId> = crowd.iter().map(|(peer, _)| *peer).collect();
         let node = connect(std::slice::from_ref(&boot)).await.unwrap();
-        until_announced(&node, &fakes).await;
+        until_most_announced(&node, &fakes, 8).await;
         let (tokens, chain) = swarm_tokens(&reference, &node, settings(64), seed as u64).await;
         assert_eq!(tokens, reference.tokens(seed as u64).await, "{lie:?}");
         assert!(

@@ -151,6 +151,14 @@ pub(crate) async fn server_to_copy() -> (RunningServer, Multiaddr, ServerRecord)
 /// previous crowd's expire (kad keeps 20 providers per key and node), and
 /// under a loaded test run that took over 20 s once in a few runs.
 pub(crate) async fn until_announced(node: &NodeHandle, peers: &[PeerId]) {
+    until_most_announced(node, peers, peers.len()).await;
+}
+
+/// [`until_announced`], content after 60 s with `at_least` of `peers`: a
+/// crowd's last provider records can wait on the previous crowd's expiry
+/// for longer (a minute and more, once in a few loaded runs), and a crowd
+/// one short is still a crowd.
+pub(crate) async fn until_most_announced(node: &NodeHandle, peers: &[PeerId], at_least: usize) {
     let started = std::time::Instant::now();
     loop {
         let found = node.discover(MODEL, Duration::from_secs(2)).await.unwrap();
@@ -161,8 +169,17 @@ pub(crate) async fn until_announced(node: &NodeHandle, peers: &[PeerId]) {
         if missing.is_empty() {
             return;
         }
+        let waited = started.elapsed();
+        if waited >= Duration::from_secs(60) && peers.len() - missing.len() >= at_least {
+            eprintln!(
+                "{} of {} peers announced after {waited:?}: going on with them",
+                peers.len() - missing.len(),
+                peers.len()
+            );
+            return;
+        }
         assert!(
-            started.elapsed() < Duration::from_secs(60),
+            waited < Duration::from_secs(90),
             "{} of {} peers never announced: {missing:?}",
             missing.len(),
             peers.len()
