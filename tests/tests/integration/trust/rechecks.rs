@@ -22,10 +22,12 @@ const TRUSTED: u32 = 10_000;
 /// steps, and the answer shown meanwhile was sampled from them. When a
 /// check catches it, its replacement's replay of the hop's inputs shows
 /// where the lies began, the answer is computed again from there, and the
-/// tokens that came out different are withdrawn: every answer, and what a
-/// consumer of the events shows, ends as the whole model's (sampled at
-/// temperature 0.8, with drafts), whether the liar serves the first blocks
-/// or the last. Without the re-check, those answers came out wrong.
+/// tokens that came out different are withdrawn: every answer in which it
+/// is caught, and what a consumer of the events shows, ends as the whole
+/// model's (sampled at temperature 0.8, with drafts), whether the liar
+/// serves the first blocks or the last. Without the re-check, those answers
+/// came out wrong. An answer whose steps all escaped the checks is what a
+/// spot-check rate below 1 leaves possible; the test allows one per liar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
     let reference = Reference::load();
@@ -46,7 +48,7 @@ async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
         let node = connect(&[boot.parse().unwrap()]).await.unwrap();
         until_servers(&node, 3).await;
 
-        let (mut rechecked, mut withdrawn) = (0, 0);
+        let (mut rechecked, mut withdrawn, mut unchecked) = (0, 0, 0);
         for seed in 0..8 {
             let req = GenerateRequest {
                 max_new_tokens: 24,
@@ -81,9 +83,15 @@ async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
             .unwrap()
             .generated_ids;
             let case = format!("liar on {liar_blocks}, seed {seed}");
-            assert_eq!(out.generated_ids, expected, "{case}: the answer");
-            assert_eq!(shown, expected, "{case}: what the events showed");
             let suspects = chain.take_suspects();
+            if suspects.contains(&liar_id) {
+                assert_eq!(out.generated_ids, expected, "{case}: the answer");
+                assert_eq!(shown, expected, "{case}: what the events showed");
+            } else {
+                // Each step is checked with probability 0.2: a liar goes
+                // unseen through an answer of ~24 steps about 1 % of the time.
+                unchecked += 1;
+            }
             assert!(
                 !suspects.contains(&honest_id),
                 "{case}: the honest replica was named"
@@ -103,7 +111,7 @@ async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
         }
         println!(
             "liar on blocks {liar_blocks} caught mid-answer: {rechecked} answers computed again, \
-             {withdrawn} tokens withdrawn, every answer the whole model's"
+             {withdrawn} tokens withdrawn, {unchecked} answers through which it went unchecked"
         );
         // Checked at 0.2 a step, the liar is caught on the prefill (nothing
         // to re-check) one time in five.
@@ -115,13 +123,18 @@ async fn a_liar_caught_mid_answer_has_the_answer_so_far_computed_again() {
             withdrawn > 0,
             "liar on {liar_blocks}: its lies changed no token"
         );
+        assert!(
+            unchecked <= 1,
+            "liar on {liar_blocks}: {unchecked} answers never checked it"
+        );
         for s in [other, honest, liar] {
             s.shutdown();
         }
         let blocks = liar_blocks.replace(':', "_");
         figures
             .set(&format!("rechecked_{blocks}"), rechecked)
-            .set(&format!("withdrawn_{blocks}"), withdrawn);
+            .set(&format!("withdrawn_{blocks}"), withdrawn)
+            .set(&format!("unchecked_{blocks}"), unchecked);
     }
     figures.save();
 }
