@@ -87,6 +87,7 @@ pub async fn connect(bootstrap: &[String]) -> Result<NodeHandle, ConnectError> {
     let swarm = build_browser_swarm(key, UPDATE_PERIOD)
         .map_err(|e| ConnectError::new(ErrorKind::Internal, e.to_string()))?;
     let (mut node, handle, _events) = Node::new(swarm);
+    let handle = handle.with_initial_peers(peers.iter().map(|(peer, _)| *peer));
     node.client_dht();
     node.only_dial(Box::new(move |addr| {
         transport_of(addr).is_some_and(|t| allowed.contains(&t))

@@ -62,6 +62,7 @@ pub async fn connect_as(
     .await
     .map_err(|e| ClientError::Network(e.to_string()))?;
     let (mut node, handle, _events) = Node::new(swarm);
+    let handle = handle.with_initial_peers(peers.iter().map(|(peer, _)| *peer));
     node.client_dht();
     node.allow_only(allowed_peers);
     // Nobody dials a client; it listens so that its dials leave from one

@@ -47,6 +47,13 @@ const BAN_MAX: Duration = Duration::from_secs(300);
 /// such failure while its ban lasts: any other server that is not far
 /// slower goes first.
 const SUSPECT_PENALTY: f64 = 10.0;
+/// Seconds per step added, while any failure is recent, to servers this
+/// client knows nothing good of: neither a peer the user named to join
+/// through nor one it measured answering without ever failing. Records
+/// and hosts are free, so a crowd of fakes each with a record and a
+/// network of its own must not outrank, one after another, the servers
+/// the client has reason to trust.
+const UNKNOWN_PENALTY: f64 = 10.0;
 
 /// Which servers of which model a client uses (from [`SessionSettings`]).
 #[derive(Debug, Clone)]

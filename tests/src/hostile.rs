@@ -282,6 +282,19 @@ pub async fn lying_server_at(
     honest: &ServerRecord,
     lie: Lie,
 ) -> (PeerId, tokio::task::JoinHandle<()>) {
+    lying_server_claiming(ip, bootstrap, honest, 1e9, lie).await
+}
+
+/// [`lying_server_at`] announcing `throughput` tokens per second (decode
+/// and prefill): fakes claiming each a speed of its own announce records
+/// of distinct shapes.
+pub async fn lying_server_claiming(
+    ip: Ipv4Addr,
+    bootstrap: &Multiaddr,
+    honest: &ServerRecord,
+    throughput: f64,
+    lie: Lie,
+) -> (PeerId, tokio::task::JoinHandle<()>) {
     let (key, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
     let (mut node, handle, mut events) = Node::new(swarm);
     node.serve_dht(None, key);
@@ -304,8 +317,8 @@ pub async fn lying_server_at(
     let task_handle = handle.clone();
     let mut record = honest.clone();
     record.peer_id = peer.to_string();
-    record.throughput = 1e9;
-    record.prefill_throughput = 1e9;
+    record.throughput = throughput;
+    record.prefill_throughput = throughput;
     let task = tokio::spawn(async move {
         let handle = task_handle;
         let serve = async {
@@ -383,6 +396,44 @@ async fn serve_lies(mut stream: Stream, lie: Lie) {
             return;
         }
     }
+}
+
+/// A DHT node serving nothing, joined to the swarm through `bootstrap`: a
+/// peer to join through that vouches for no server. Returns its address
+/// (with its peer id); runs until the task is dropped.
+pub async fn dht_peer(bootstrap: &Multiaddr) -> (Multiaddr, tokio::task::JoinHandle<()>) {
+    let (key, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
+    let (mut node, handle, mut events) = Node::new(swarm);
+    node.serve_dht(None, key);
+    node.swarm_mut()
+        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .unwrap();
+    let (boot, base) = split_peer(bootstrap).expect("an address with a peer id");
+    node.swarm_mut()
+        .behaviour_mut()
+        .kad
+        .add_address(&boot, base.clone());
+    node.swarm_mut().add_peer_address(boot, base.clone());
+    let peer = handle.peer_id();
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let serve = async {
+            if let Some(corolla_shared::node::NodeEvent::Listening { address, .. }) =
+                events.next().await
+            {
+                let _ = addr_tx.send(address.with(Protocol::P2p(peer)));
+            }
+            let _ = handle.dial(boot, vec![base], Duration::from_secs(10)).await;
+            let _ = handle.bootstrap().await;
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = node.run() => {}
+            _ = serve => {}
+        }
+    });
+    let addr = addr_rx.await.expect("the DHT peer listens");
+    (addr, task)
 }
 
 /// Plausible activations for a step of `t` positions (any numbers do).

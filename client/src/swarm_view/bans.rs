@@ -1,8 +1,9 @@
 //! Who this client stopped trusting and for how long: bans with backoff,
-//! suspicion shared by records of one shape and servers of one host, and
-//! the clean spot checks that earn a server its place back.
+//! suspicion shared by records of one shape and servers of one host and,
+//! while failures are recent, by servers it knows nothing good of; and the
+//! clean spot checks that earn a server its place back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use corolla_shared::source_address::AddressGroup;
@@ -10,7 +11,7 @@ use corolla_shared::{ErrorKind, ServerRecord};
 use libp2p::PeerId;
 use web_time::Instant;
 
-use super::{SwarmView, BAN_BASE, BAN_MAX, SUSPECT_PENALTY};
+use super::{SwarmView, ViewState, BAN_BASE, BAN_MAX, SUSPECT_PENALTY, UNKNOWN_PENALTY};
 
 impl SwarmView {
     /// Lifts the bans of servers that only refused for want of sessions
@@ -68,20 +69,29 @@ impl SwarmView {
         self.shared.node.sources().of(&peer).map(AddressGroup::host)
     }
 
-    /// Each usable server's penalty for sharing a host, or the record it
-    /// announced, with failed servers.
+    /// Each usable server's penalty, while any failure is recent, for
+    /// sharing a host or the record it announced with failed servers, and
+    /// for being unknown (see [`UNKNOWN_PENALTY`]).
     pub(super) fn suspicion(&self) -> HashMap<String, f64> {
         let now = Instant::now();
-        let (hosts, shapes) = {
+        let (hosts, shapes, known) = {
             let state = self.state();
             (
                 still_suspect(&state.failed_hosts, now),
                 still_suspect(&state.failed_shapes, now),
+                state.known_good(),
             )
         };
         if hosts.is_empty() && shapes.is_empty() {
             return HashMap::new();
         }
+        let initial: HashSet<String> = self
+            .shared
+            .node
+            .initial_peers()
+            .iter()
+            .map(PeerId::to_string)
+            .collect();
         self.usable_servers()
             .into_iter()
             .filter_map(|r| {
@@ -91,8 +101,10 @@ impl SwarmView {
                     .copied()
                     .unwrap_or(0);
                 let by_shape = shapes.get(&RecordShape::of(&r)).copied().unwrap_or(0);
-                let failures = by_host + by_shape;
-                (failures > 0).then(|| (r.peer_id, SUSPECT_PENALTY * f64::from(failures)))
+                let unknown = !known.contains(&r.peer_id) && !initial.contains(&r.peer_id);
+                let penalty = SUSPECT_PENALTY * f64::from(by_host + by_shape)
+                    + if unknown { UNKNOWN_PENALTY } else { 0.0 };
+                (penalty > 0.0).then_some((r.peer_id, penalty))
             })
             .collect()
     }
@@ -111,6 +123,17 @@ impl SwarmView {
         let mut state = self.state();
         let count = state.clean_checks.entry(peer.to_string()).or_insert(0);
         *count = count.saturating_add(1);
+    }
+}
+
+impl ViewState {
+    /// Servers this client measured answering steps and never saw fail.
+    fn known_good(&self) -> HashSet<String> {
+        self.step_per_block
+            .keys()
+            .filter(|peer| !self.bans.contains_key(*peer))
+            .cloned()
+            .collect()
     }
 }
 

@@ -2,6 +2,7 @@
 //! one [`Command`] and, where it asks something, awaits the loop's answer.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::channel::{mpsc, oneshot};
@@ -22,11 +23,27 @@ pub struct NodeHandle {
     pub(super) commands: mpsc::Sender<Command>,
     pub(super) control: libp2p_stream::Control,
     pub(super) sources: PeerSources,
+    /// The peers the user named to join through.
+    pub(super) initial_peers: Arc<[PeerId]>,
 }
 
 impl NodeHandle {
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
+    }
+
+    /// This handle, remembering `peers` as the ones the user named to join
+    /// the swarm through: the only servers a new client has reason to
+    /// trust before it has measured any (see the client's swarm view).
+    pub fn with_initial_peers(mut self, peers: impl IntoIterator<Item = PeerId>) -> Self {
+        self.initial_peers = peers.into_iter().collect();
+        self
+    }
+
+    /// The peers the user named to join through (none for a server's node
+    /// or a test's).
+    pub fn initial_peers(&self) -> &[PeerId] {
+        &self.initial_peers
     }
 
     pub fn control(&self) -> libp2p_stream::Control {

@@ -31,6 +31,7 @@ mod reachability;
 mod store;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::channel::{mpsc, oneshot};
@@ -197,6 +198,7 @@ impl Node {
             commands: tx,
             control: swarm.behaviour_mut().stream.new_control(),
             sources: swarm.behaviour().addresses.sources(),
+            initial_peers: Arc::from([]),
         };
         let node = Node {
             swarm,

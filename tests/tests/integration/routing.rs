@@ -8,13 +8,15 @@ use std::net::Ipv4Addr;
 use std::time::Instant;
 
 use corolla_client::network::connect;
-use corolla_tests::hostile::{lying_server_at, Lie};
+use corolla_client::swarm_view::SwarmView;
+use corolla_tests::hostile::{dht_peer, lying_server_at, lying_server_claiming, Lie};
 use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 use libp2p::PeerId;
 
 use super::tiny_reference::{
-    client_of, server_to_copy, settings, swarm_tokens, until_most_announced, Reference, NEW_TOKENS,
+    client_of, server_to_copy, settings, swarm_tokens, swarm_tokens_via, until_most_announced,
+    Reference, NEW_TOKENS,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,6 +85,75 @@ async fn a_crowd_of_fakes_costs_one_try(test: &str, host: impl Fn(usize) -> Ipv4
             task.abort();
         }
     }
+    server.shutdown();
+    figures.save();
+}
+
+/// Ten fakes per lie, each in a network of its own and claiming a speed of
+/// its own (ten record shapes: nothing they announce is shared, so no
+/// failure makes the next fake suspect), more fakes than the client has
+/// retries. What they cannot fake is what a client knows: the peer it
+/// joined through (a new client that joined through the honest server), or
+/// the servers it measured answering (a chat's client that joined through
+/// a DHT node vouching for nobody, after one answer). For both, each lie
+/// costs one try; before, each fake cost one and the retries ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_botnet_of_distinct_records_costs_one_try() {
+    let test = "routing::a_botnet_of_distinct_records_costs_one_try";
+    let reference = Reference::load();
+    let mut figures = Figures::of(test);
+    let (server, boot, honest) = server_to_copy().await;
+    let (door, door_task) = dht_peer(&boot).await;
+    let chat_node = connect(std::slice::from_ref(&door)).await.unwrap();
+    let chat = SwarmView::new(chat_node.clone(), &settings(64));
+    let (tokens, chain) = swarm_tokens_via(&reference, &chat, settings(64), 9).await;
+    assert_eq!(tokens, reference.tokens(9).await);
+    chain.close().await;
+    for (n, lie) in [Lie::Busy, Lie::NotANumber, Lie::Silent]
+        .into_iter()
+        .enumerate()
+    {
+        let mut crowd = Vec::new();
+        for i in 0..10 {
+            let host = Ipv4Addr::new(127, 90 + (10 * n + i) as u8, 0, 1);
+            // Every fake of every crowd claims a speed no other claims.
+            let claim = 1e9 / (1 + 10 * n + i) as f64;
+            crowd.push(lying_server_claiming(host, &boot, &honest, claim, lie).await);
+        }
+        let fakes: Vec<PeerId> = crowd.iter().map(|(peer, _)| *peer).collect();
+        let newcomer = connect(std::slice::from_ref(&boot)).await.unwrap();
+        until_most_announced(&newcomer, &fakes, 8).await;
+        until_most_announced(&chat_node, &fakes, 8).await;
+        chat.refresh().await;
+        let newcomer_view = SwarmView::new(newcomer.clone(), &settings(64));
+        let lie = format!("{lie:?}").to_lowercase();
+        for (client, view) in [("newcomer", &newcomer_view), ("chat", &chat)] {
+            let seed = n as u64;
+            let started = Instant::now();
+            let (tokens, chain) = swarm_tokens_via(&reference, view, settings(64), seed).await;
+            let seconds = started.elapsed().as_secs_f64();
+            let case = format!("{client}, {lie}");
+            assert_eq!(tokens, reference.tokens(seed).await, "{case}");
+            assert!(
+                chain
+                    .route()
+                    .iter()
+                    .all(|h| h.peer_id == server.peer_id().to_string()),
+                "{case}"
+            );
+            let failed = chain.recoveries().len();
+            assert!(failed <= 1, "{case}: {failed} recoveries");
+            assert!(seconds < 25.0, "{case}: {seconds:.1} s");
+            figures
+                .set(&format!("{client}_{lie}_seconds"), format!("{seconds:.1}"))
+                .set(&format!("{client}_{lie}_recoveries"), failed);
+            chain.close().await;
+        }
+        for (_, task) in crowd {
+            task.abort();
+        }
+    }
+    door_task.abort();
     server.shutdown();
     figures.save();
 }

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use corolla_client::network::connect;
+use corolla_client::swarm_view::SwarmView;
 use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain, SessionSettings};
 use corolla_model::fingerprint::{block_hashes, span_hash};
 use corolla_model::{BlockSpan, Checkpoint, ClientHead, DType, Device, SamplingParams};
@@ -79,7 +80,19 @@ pub(crate) async fn swarm_tokens(
     settings: SessionSettings,
     seed: u64,
 ) -> (Vec<u32>, RemoteChain) {
-    let mut chain = RemoteChain::connect(node, settings, &Device::Cpu)
+    let view = SwarmView::new(node.clone(), &settings);
+    swarm_tokens_via(reference, &view, settings, seed).await
+}
+
+/// [`swarm_tokens`] through `view`: a client that answers many times keeps
+/// one view (what it measured, whom it banned) for all its answers.
+pub(crate) async fn swarm_tokens_via(
+    reference: &Reference,
+    view: &SwarmView,
+    settings: SessionSettings,
+    seed: u64,
+) -> (Vec<u32>, RemoteChain) {
+    let mut chain = RemoteChain::connect_via(view, settings, &Device::Cpu)
         .await
         .unwrap();
     let out = generate(&reference.head, &mut chain, &request(seed), |_| {
