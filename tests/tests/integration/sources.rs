@@ -321,3 +321,71 @@ async fn a_crowd_cannot_take_a_relays_circuits() {
         .set("through", through)
         .save();
 }
+
+/// A relay's circuits are also rated per source address: a crowd of
+/// identities from one host that opens circuits and closes each at once
+/// (so its share of circuits at once never fills) gets a burst of as many
+/// as the relay carries, then one every 2 s; a client from another address
+/// is not slowed. Without the rate, churning ids could open circuits (and
+/// their dials to the peer behind) as fast as they liked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_churning_a_relays_circuits_is_slowed_to_its_rate() {
+    const CIRCUITS: usize = 8;
+    const ATTEMPTS: usize = 20;
+    let relay = start_server("0:4", None, &["--relay-max-circuits", "8"]).await;
+    let peer = relay.peer_id();
+    let target = socket_of(relay.tcp_addr().unwrap());
+    let (reserved, behind, behind_task) = ask_relay_slot(
+        format!(
+            "/ip4/127.0.0.1/tcp/{}/p2p/{peer}/p2p-circuit",
+            target.port()
+        )
+        .parse()
+        .unwrap(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(reserved, "the peer behind the relay got a slot");
+    let via = Forwarder::from_source(CROWD, target).unwrap();
+    let to_behind = |port: u16| -> Multiaddr {
+        format!("/ip4/127.0.0.1/tcp/{port}/p2p/{peer}/p2p-circuit/p2p/{behind}")
+            .parse()
+            .unwrap()
+    };
+    let started = Instant::now();
+    let mut through = 0;
+    for _ in 0..ATTEMPTS {
+        let (up, task) =
+            connect_through_relay(to_behind(via.addr().port()), Duration::from_secs(3)).await;
+        through += usize::from(up);
+        task.abort();
+        // Long enough for the relay to see the circuit closed.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let (honest, honest_task) =
+        connect_through_relay(to_behind(target.port()), Duration::from_secs(5)).await;
+    // The burst, one per 2 s since, and one refill at the edge.
+    let allowed = CIRCUITS + (seconds / 2.0) as usize + 1;
+    println!(
+        "relay with 8 circuits: a crowd from one host churning {ATTEMPTS} circuits in {seconds:.1} s \
+         got {through} through (its rate allows {allowed}); a client elsewhere got through: {honest}"
+    );
+    assert!(honest, "the client from another address was slowed too");
+    assert!(
+        through > CIRCUITS / 2,
+        "{through} through: circuits did not close (the share at once, 4, stopped the crowd)"
+    );
+    assert!(
+        through <= allowed && through < ATTEMPTS,
+        "{through} of {ATTEMPTS} through in {seconds:.1} s (the rate allows {allowed})"
+    );
+    honest_task.abort();
+    behind_task.abort();
+    relay.shutdown();
+    Figures::of("sources::a_crowd_churning_a_relays_circuits_is_slowed_to_its_rate")
+        .set("attempts", ATTEMPTS)
+        .set("through", through)
+        .set("seconds", format!("{seconds:.1}"))
+        .save();
+}
