@@ -46,6 +46,19 @@ fn closed_by_the_server(sockets: &[std::net::TcpStream]) -> usize {
         .count()
 }
 
+/// An HTTP endpoint on an ephemeral port holding at most 16 connections,
+/// each given `header_timeout` to send its request head.
+fn capped_http(header_timeout: &str) -> [&str; 6] {
+    [
+        "--http-port",
+        "0",
+        "--http-max-connections",
+        "16",
+        "--http-header-timeout",
+        header_timeout,
+    ]
+}
+
 /// Opens `n` sockets to `addr` and waits (under a second) until all but
 /// `kept` are closed by the server; returns them and how many it closed.
 fn flood(addr: &str, n: usize, kept: usize) -> (Vec<std::net::TcpStream>, usize) {
@@ -280,21 +293,8 @@ async fn http_refuses_floods_long_paths_dotfiles_and_the_way_out() {
     )
     .unwrap();
     std::os::unix::fs::symlink(outside.path(), web.path().join("elsewhere")).unwrap();
-    let server = start_server(
-        "0:4",
-        None,
-        &[
-            "--http-port",
-            "0",
-            "--web-dir",
-            web.path().to_str().unwrap(),
-            "--http-max-connections",
-            "16",
-            "--http-header-timeout",
-            "1s",
-        ],
-    )
-    .await;
+    let web_dir = ["--web-dir", web.path().to_str().unwrap()];
+    let server = start_server("0:4", None, &[&capped_http("1s")[..], &web_dir].concat()).await;
     let http = server.http_url().unwrap().to_string();
     let host = http.trim_start_matches("http://").to_string();
 
@@ -350,19 +350,7 @@ async fn http_refuses_floods_long_paths_dotfiles_and_the_way_out() {
     // side still takes new peers. A server whose header deadline outlasts
     // opening and counting them even on loaded cores, so the 16 let in are
     // still held when the rest is counted.
-    let server = start_server(
-        "0:4",
-        None,
-        &[
-            "--http-port",
-            "0",
-            "--http-max-connections",
-            "16",
-            "--http-header-timeout",
-            "4s",
-        ],
-    )
-    .await;
+    let server = start_server("0:4", None, &capped_http("4s")).await;
     let http = server.http_url().unwrap().to_string();
     let addr = http.trim_start_matches("http://").to_string();
     let (flood, closed) = tokio::task::spawn_blocking(move || flood(&addr, 300, 16))
@@ -404,14 +392,7 @@ async fn https_handshakes_are_bounded_like_connections() {
     let tls = corolla_tests::tls::test_certificate(tmp.path(), "127.0.0.1");
     // A deadline longer than the flood takes to open and count, even on
     // loaded cores: the 16 let in are still held when the rest is counted.
-    let mut args = vec![
-        "--http-port",
-        "0",
-        "--http-max-connections",
-        "16",
-        "--http-header-timeout",
-        "4s",
-    ];
+    let mut args = capped_http("4s").to_vec();
     args.extend(tls.args());
     let server = start_server("0:4", None, &args).await;
     let url = server.http_url().unwrap().to_string();
