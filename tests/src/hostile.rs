@@ -295,22 +295,13 @@ pub async fn lying_server_claiming(
     throughput: f64,
     lie: Lie,
 ) -> (PeerId, tokio::task::JoinHandle<()>) {
-    let (key, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
-    let (mut node, handle, mut events) = Node::new(swarm);
-    node.serve_dht(None, key);
-    node.swarm_mut()
-        .listen_on(
-            Multiaddr::empty()
-                .with(Protocol::Ip4(ip))
-                .with(Protocol::Tcp(0)),
-        )
-        .unwrap();
-    let (boot, base) = split_peer(bootstrap).expect("an address with a peer id");
-    node.swarm_mut()
-        .behaviour_mut()
-        .kad
-        .add_address(&boot, base.clone());
-    node.swarm_mut().add_peer_address(boot, base.clone());
+    let DhtNode {
+        node,
+        handle,
+        mut events,
+        boot,
+        base,
+    } = dht_node_at(ip, bootstrap).await;
     let peer = handle.peer_id();
     let mut sessions = handle.control().accept(INFERENCE_PROTOCOL).unwrap();
     let mut info = handle.control().accept(INFO_PROTOCOL).unwrap();
@@ -398,15 +389,26 @@ async fn serve_lies(mut stream: Stream, lie: Lie) {
     }
 }
 
-/// A DHT node serving nothing, joined to the swarm through `bootstrap`: a
-/// peer to join through that vouches for no server. Returns its address
-/// (with its peer id); runs until the task is dropped.
-pub async fn dht_peer(bootstrap: &Multiaddr) -> (Multiaddr, tokio::task::JoinHandle<()>) {
+/// A node serving the DHT, listening at `ip`, that knows `bootstrap` (not
+/// yet dialed): what the fakes and the DHT peer start from.
+struct DhtNode {
+    node: Node,
+    handle: NodeHandle,
+    events: futures::channel::mpsc::UnboundedReceiver<corolla_shared::node::NodeEvent>,
+    boot: PeerId,
+    base: Multiaddr,
+}
+
+async fn dht_node_at(ip: Ipv4Addr, bootstrap: &Multiaddr) -> DhtNode {
     let (key, swarm) = fresh_swarm(Duration::from_secs(1), &NetworkLimits::server()).await;
-    let (mut node, handle, mut events) = Node::new(swarm);
+    let (mut node, handle, events) = Node::new(swarm);
     node.serve_dht(None, key);
     node.swarm_mut()
-        .listen_on("/ip4/127.0.0.1/tcp/0".parse().unwrap())
+        .listen_on(
+            Multiaddr::empty()
+                .with(Protocol::Ip4(ip))
+                .with(Protocol::Tcp(0)),
+        )
         .unwrap();
     let (boot, base) = split_peer(bootstrap).expect("an address with a peer id");
     node.swarm_mut()
@@ -414,6 +416,26 @@ pub async fn dht_peer(bootstrap: &Multiaddr) -> (Multiaddr, tokio::task::JoinHan
         .kad
         .add_address(&boot, base.clone());
     node.swarm_mut().add_peer_address(boot, base.clone());
+    DhtNode {
+        node,
+        handle,
+        events,
+        boot,
+        base,
+    }
+}
+
+/// A DHT node serving nothing, joined to the swarm through `bootstrap`: a
+/// peer to join through that vouches for no server. Returns its address
+/// (with its peer id); runs until the task is dropped.
+pub async fn dht_peer(bootstrap: &Multiaddr) -> (Multiaddr, tokio::task::JoinHandle<()>) {
+    let DhtNode {
+        node,
+        handle,
+        mut events,
+        boot,
+        base,
+    } = dht_node_at(Ipv4Addr::LOCALHOST, bootstrap).await;
     let peer = handle.peer_id();
     let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {

@@ -9,6 +9,7 @@ use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use corolla_client::network::connect;
+use corolla_server::RunningServer;
 use corolla_shared::node::NodeHandle;
 use corolla_shared::protocol::ErrorCode;
 use corolla_tests::forwarder::{connect_from, Forwarder};
@@ -266,12 +267,19 @@ async fn a_crowd_cannot_take_a_relays_slots() {
         .save();
 }
 
-/// A relay's circuits are shared between addresses too: a crowd of
-/// identities from one host dialing a server behind the relay holds at most
-/// half of them at once (without the shares it takes all 8 and nobody else
-/// gets through), and a client from another address still reaches it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crowd_cannot_take_a_relays_circuits() {
+/// A relay with 8 circuits, a peer behind it holding a slot, a forwarder
+/// connecting to the relay from the crowd's host, and the relayed address
+/// of the peer behind it through a given port (the relay's or the
+/// forwarder's).
+struct RelayedPeer {
+    relay: RunningServer,
+    target: SocketAddr,
+    via: Forwarder,
+    to_behind: Box<dyn Fn(u16) -> Multiaddr>,
+    behind_task: tokio::task::JoinHandle<()>,
+}
+
+async fn relayed_peer() -> RelayedPeer {
     let relay = start_server("0:4", None, &["--relay-max-circuits", "8"]).await;
     let peer = relay.peer_id();
     let target = socket_of(relay.tcp_addr().unwrap());
@@ -287,11 +295,33 @@ async fn a_crowd_cannot_take_a_relays_circuits() {
     .await;
     assert!(reserved, "the peer behind the relay got a slot");
     let via = Forwarder::from_source(CROWD, target).unwrap();
-    let to_behind = |port: u16| -> Multiaddr {
+    let to_behind = Box::new(move |port: u16| -> Multiaddr {
         format!("/ip4/127.0.0.1/tcp/{port}/p2p/{peer}/p2p-circuit/p2p/{behind}")
             .parse()
             .unwrap()
-    };
+    });
+    RelayedPeer {
+        relay,
+        target,
+        via,
+        to_behind,
+        behind_task,
+    }
+}
+
+/// A relay's circuits are shared between addresses too: a crowd of
+/// identities from one host dialing a server behind the relay holds at most
+/// half of them at once (without the shares it takes all 8 and nobody else
+/// gets through), and a client from another address still reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_cannot_take_a_relays_circuits() {
+    let RelayedPeer {
+        relay,
+        target,
+        via,
+        to_behind,
+        behind_task,
+    } = relayed_peer().await;
     let mut crowd = Vec::new();
     let mut through = 0;
     for _ in 0..10 {
@@ -332,26 +362,13 @@ async fn a_crowd_cannot_take_a_relays_circuits() {
 async fn a_crowd_churning_a_relays_circuits_is_slowed_to_its_rate() {
     const CIRCUITS: usize = 8;
     const ATTEMPTS: usize = 20;
-    let relay = start_server("0:4", None, &["--relay-max-circuits", "8"]).await;
-    let peer = relay.peer_id();
-    let target = socket_of(relay.tcp_addr().unwrap());
-    let (reserved, behind, behind_task) = ask_relay_slot(
-        format!(
-            "/ip4/127.0.0.1/tcp/{}/p2p/{peer}/p2p-circuit",
-            target.port()
-        )
-        .parse()
-        .unwrap(),
-        Duration::from_secs(5),
-    )
-    .await;
-    assert!(reserved, "the peer behind the relay got a slot");
-    let via = Forwarder::from_source(CROWD, target).unwrap();
-    let to_behind = |port: u16| -> Multiaddr {
-        format!("/ip4/127.0.0.1/tcp/{port}/p2p/{peer}/p2p-circuit/p2p/{behind}")
-            .parse()
-            .unwrap()
-    };
+    let RelayedPeer {
+        relay,
+        target,
+        via,
+        to_behind,
+        behind_task,
+    } = relayed_peer().await;
     let started = Instant::now();
     let mut through = 0;
     for _ in 0..ATTEMPTS {
