@@ -129,15 +129,7 @@ impl Node {
             QueryResult::GetProviders(result) => {
                 if let Some(lookup) = self.providers.get_mut(&id) {
                     if let Ok(GetProvidersOk::FoundProviders { providers, .. }) = &result {
-                        let allowed = self.allowed_peers.as_ref();
-                        let room = MAX_PROVIDERS_CHECKED.saturating_sub(lookup.found.len());
-                        lookup.found.extend(
-                            providers
-                                .iter()
-                                .filter(|p| allowed.is_none_or(|a| a.contains(p)))
-                                .take(room)
-                                .copied(),
-                        );
+                        admit_providers(&mut lookup.found, providers, self.allowed_peers.as_ref());
                     }
                 }
                 if last {
@@ -180,5 +172,68 @@ impl Node {
             QueryResult::PutRecord(_) => self.on_record_stored(id),
             _ => {}
         }
+    }
+}
+
+/// Adds the `providers` one answer of a lookup named to those it `found`,
+/// only `allowed` ones in a private swarm, until [`MAX_PROVIDERS_CHECKED`]
+/// are found: however many a flood of announcements puts in the DHT, a
+/// lookup checks no more records than that.
+fn admit_providers(
+    found: &mut HashSet<PeerId>,
+    providers: &HashSet<PeerId>,
+    allowed: Option<&HashSet<PeerId>>,
+) {
+    let new = providers
+        .iter()
+        .filter(|p| !found.contains(*p))
+        .filter(|p| allowed.is_none_or(|a| a.contains(*p)))
+        .copied()
+        .collect::<Vec<_>>();
+    let room = MAX_PROVIDERS_CHECKED.saturating_sub(found.len());
+    found.extend(new.into_iter().take(room));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers(n: usize) -> HashSet<PeerId> {
+        (0..n).map(|_| PeerId::random()).collect()
+    }
+
+    #[test]
+    fn a_flood_of_providers_is_checked_up_to_the_cap() {
+        let mut found = HashSet::new();
+        let flood = peers(100);
+        admit_providers(&mut found, &flood, None);
+        assert_eq!(found.len(), MAX_PROVIDERS_CHECKED);
+        assert!(found.is_subset(&flood));
+        // Later answers of the same lookup add nobody.
+        admit_providers(&mut found, &peers(50), None);
+        assert_eq!(found.len(), MAX_PROVIDERS_CHECKED);
+    }
+
+    #[test]
+    fn answers_naming_known_providers_again_leave_room_for_new_ones() {
+        let mut found = HashSet::new();
+        let first = peers(40);
+        admit_providers(&mut found, &first, None);
+        // Forty named again and thirty new: the forty cost no room.
+        let mut second = first.clone();
+        second.extend(peers(30));
+        admit_providers(&mut found, &second, None);
+        assert_eq!(found.len(), MAX_PROVIDERS_CHECKED);
+        assert!(first.is_subset(&found));
+    }
+
+    #[test]
+    fn a_private_swarm_admits_only_its_peers() {
+        let members = peers(3);
+        let mut strangers = peers(80);
+        strangers.extend(members.iter().copied());
+        let mut found = HashSet::new();
+        admit_providers(&mut found, &strangers, Some(&members));
+        assert_eq!(found, members);
     }
 }

@@ -21,6 +21,7 @@ use crate::tiny_reference::{
     client_of, open_frame, request, sessions_in_use, settings, swarm_tokens, Reference,
 };
 use futures::AsyncWriteExt;
+use libp2p::Stream;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_peer_cannot_lock_a_server() {
@@ -166,45 +167,30 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
     let server = start_model_server(&wide, "0:1", None, &[]).await;
     let peer = server.peer_id();
     let max_frame: u32 = 1024 * 1024 * 4 + 64 * 1024;
-    let before = resident_memory_bytes();
-    let mut streams = Vec::new();
+    let mut frame_start = max_frame.to_le_bytes().to_vec();
+    frame_start.extend_from_slice(&[0; 10]);
+    // Every client connects first: a stream that has not sent a whole frame
+    // is closed 5 s after it opened, so the streams are opened together and
+    // counted at once (opened one client after another on loaded cores, the
+    // first ones were closed before the last were counted).
     let mut attackers = Vec::new();
     for _ in 0..6 {
-        let node = client_of(&server).await;
-        attackers.push(node.clone());
-        for j in 0..6 {
-            let mut bytes = max_frame.to_le_bytes().to_vec();
-            bytes.extend_from_slice(&[0; 10]);
-            // Under load a fresh client's first connection is sometimes
-            // replaced while it settles (its streams then fail with
-            // "connection is closed"); the attack goes on on the next one.
-            let mut sent = None;
-            for _ in 0..3 {
-                let mut s = open_stream(&node, peer).await;
-                match s.write_all(&bytes).await {
-                    Ok(()) => {
-                        sent = Some(s);
-                        break;
-                    }
-                    Err(e) => {
-                        println!("peer {} stream {j}: {e}; again", attackers.len());
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-            let mut s =
-                sent.unwrap_or_else(|| panic!("peer {} stream {j} never opened", attackers.len()));
-            s.flush().await.unwrap();
-            streams.push(s);
-        }
+        attackers.push(client_of(&server).await);
     }
+    let newcomer = client_of(&server).await;
+    let before = resident_memory_bytes();
+    let opened = Instant::now();
+    let frame = &frame_start;
+    let streams: Vec<Stream> =
+        futures::future::join_all(attackers.iter().enumerate().flat_map(|(i, node)| {
+            (0..6).map(move |j| announce_on_new_stream(node, peer, frame, (i, j)))
+        }))
+        .await;
     // A seventh stream of one peer, and streams beyond 40 in all, are
     // refused (the rest get no answer: they wait for their frames).
     let refused_within = |node: NodeHandle| async move {
         let mut s = open_stream(&node, peer).await;
-        let mut bytes = max_frame.to_le_bytes().to_vec();
-        bytes.extend_from_slice(&[0; 10]);
-        if s.write_all(&bytes).await.is_err() || s.flush().await.is_err() {
+        if s.write_all(frame).await.is_err() || s.flush().await.is_err() {
             return (Some("stream closed".to_string()), s);
         }
         let reply = read_reply(&mut s, Duration::from_secs(1)).await;
@@ -213,16 +199,22 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
     let (seventh, _) = refused_within(attackers[0].clone()).await;
     let seventh = seventh.expect("a seventh stream of one peer is refused");
     assert!(seventh.contains("this peer has 6 streams"), "{seventh}");
-    let newcomer = client_of(&server).await;
     let mut newcomer_streams = Vec::new();
     let mut beyond_total = Vec::new();
-    for _ in 0..6 {
-        let (refusal, s) = refused_within(newcomer.clone()).await;
+    for (refusal, s) in
+        futures::future::join_all((0..6).map(|_| refused_within(newcomer.clone()))).await
+    {
         match refusal {
             Some(message) => beyond_total.push(message),
             None => newcomer_streams.push(s),
         }
     }
+    let counted_after = opened.elapsed();
+    assert!(
+        counted_after < Duration::from_millis(4500),
+        "opening and counting the streams took {counted_after:?}: the first ones were \
+         closed for want of a frame (5 s) before the count"
+    );
     assert_eq!(
         (newcomer_streams.len(), beyond_total.len()),
         (4, 2),
@@ -260,6 +252,32 @@ async fn announced_frame_lengths_cost_nothing_until_sent() {
         .set("seventh", seventh)
         .set("beyond_total", &beyond_total[0])
         .save();
+}
+
+/// A new stream of `node` to `peer` on which `frame_start` (a frame's
+/// length and its first bytes) is sent. Under load a fresh client's first
+/// connection is sometimes replaced while it settles (its streams then fail
+/// with "connection is closed"); the attack goes on on the next one.
+async fn announce_on_new_stream(
+    node: &NodeHandle,
+    peer: libp2p::PeerId,
+    frame_start: &[u8],
+    (i, j): (usize, usize),
+) -> Stream {
+    for _ in 0..3 {
+        let mut s = open_stream(node, peer).await;
+        match s.write_all(frame_start).await {
+            Ok(()) => {
+                s.flush().await.unwrap();
+                return s;
+            }
+            Err(e) => {
+                println!("peer {i} stream {j}: {e}; again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    panic!("peer {i} stream {j} never opened")
 }
 
 /// Tokens per second of one honest answer (median of `rounds`).
