@@ -194,33 +194,32 @@ impl Head<'_> {
         let mut columns = out.chunks_exact_mut(OUT_LANES);
         let mut at = 0;
         for lanes in &mut columns {
-            let mut acc = [0f32; OUT_LANES];
-            for (&p, v) in scores.iter().zip(self.values.chunks_exact(head_dim)) {
-                let v = &v[at..at + OUT_LANES];
-                for j in 0..OUT_LANES {
-                    acc[j] += p * v[j];
-                }
-            }
-            lanes.copy_from_slice(&acc);
+            self.weigh_values::<OUT_LANES>(scores, at, lanes);
             at += OUT_LANES;
         }
         let mut columns = columns.into_remainder().chunks_exact_mut(8);
         for lanes in &mut columns {
-            let mut acc = [0f32; 8];
-            for (&p, v) in scores.iter().zip(self.values.chunks_exact(head_dim)) {
-                let v = &v[at..at + 8];
-                for j in 0..8 {
-                    acc[j] += p * v[j];
-                }
-            }
-            lanes.copy_from_slice(&acc);
+            self.weigh_values::<8>(scores, at, lanes);
             at += 8;
         }
-        for (o, d) in columns.into_remainder().iter_mut().zip(at..) {
-            for (&p, v) in scores.iter().zip(self.values.chunks_exact(head_dim)) {
-                *o += p * v[d];
+        for lane in columns.into_remainder().chunks_exact_mut(1) {
+            self.weigh_values::<1>(scores, at, lane);
+            at += 1;
+        }
+    }
+
+    /// Output values `at..at + N` (into `lanes`): the values of every
+    /// position weighted by its score, each sum in position order.
+    #[inline(always)]
+    fn weigh_values<const N: usize>(&self, scores: &[f32], at: usize, lanes: &mut [f32]) {
+        let mut acc = [0f32; N];
+        for (&p, v) in scores.iter().zip(self.values.chunks_exact(self.q.len())) {
+            let v = &v[at..at + N];
+            for j in 0..N {
+                acc[j] += p * v[j];
             }
         }
+        lanes.copy_from_slice(&acc);
     }
 }
 
