@@ -31,7 +31,7 @@ cargo test --locked -p corolla-tests --test integration -- \
     --test-threads 1 2>&1 | tee "$figures/integration.log" || failed=1
 # The limiters' and identity files' unit tests (every crate's, from the
 # workspace build: one crate alone would build with other features).
-cargo test --locked --workspace --lib -- quota:: identity:: relay_shares:: record::tests peers:: api::error:: \
+cargo test --locked --workspace --lib -- quota:: identity:: relay_shares:: record::tests peers:: api::error:: node::lookup::tests \
     2>&1 | tee "$figures/units.log" || failed=1
 # Every decoder of untrusted bytes (needs a nightly toolchain; without one
 # the fuzzing rows show as not measured).

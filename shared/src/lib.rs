@@ -23,6 +23,8 @@ pub mod manifest;
 pub mod native;
 pub mod node;
 pub mod peers;
+#[cfg(feature = "native")]
+pub mod port_reuse;
 pub mod protocol;
 pub mod push_proof;
 #[cfg(feature = "native")]

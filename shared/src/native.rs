@@ -13,6 +13,7 @@ use libp2p::identity::Keypair;
 use libp2p::{noise, tcp, yamux, PeerId, Swarm};
 
 use crate::behaviour::{Behaviour, NetworkLimits};
+use crate::port_reuse::FreshPortOnRefusal;
 use crate::reach::{Reach, ReachSettings};
 
 pub use libp2p::metrics::{Metrics as Libp2pMetrics, Registry as MetricsRegistry};
@@ -76,7 +77,7 @@ pub async fn build_swarm(
             })?
             .with_other_transport(|key| {
                 let mut ws = libp2p::websocket::Config::new(libp2p::dns::tokio::Transport::system(
-                    tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)),
+                    tcp::tokio::Transport::new(tcp_config()),
                 )?);
                 if let Some(tls) = server.websocket_tls {
                     ws.set_tls_config(tls);
@@ -107,18 +108,24 @@ pub async fn build_swarm(
     Ok(swarm)
 }
 
+fn tcp_config() -> tcp::Config {
+    tcp::Config::default().nodelay(true)
+}
+
 /// TCP with noise and yamux, bounded by [`TCP_DIAL_TIMEOUT`]. Dials reuse
-/// the listening port, which is what lets a TCP hole punch through a NAT.
+/// the listening port, which is what lets a TCP hole punch through a NAT,
+/// and use a fresh one when the kernel refuses that ([`FreshPortOnRefusal`]).
 fn tcp_transport(key: &Keypair) -> Result<Boxed<(PeerId, StreamMuxerBox)>, BoxError> {
-    Ok(
-        tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-            .upgrade(Version::V1Lazy)
-            .authenticate(noise::Config::new(key)?)
-            .multiplex(yamux::Config::default())
-            .timeout(TCP_DIAL_TIMEOUT)
-            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
-            .boxed(),
+    Ok(FreshPortOnRefusal::new(
+        tcp::tokio::Transport::new(tcp_config()),
+        tcp::tokio::Transport::new(tcp_config()),
     )
+    .upgrade(Version::V1Lazy)
+    .authenticate(noise::Config::new(key)?)
+    .multiplex(yamux::Config::default())
+    .timeout(TCP_DIAL_TIMEOUT)
+    .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+    .boxed())
 }
 
 /// A fresh WebRTC certificate.

@@ -313,6 +313,22 @@ pub async fn start_server(
     start_model_server(&tiny_llama(), blocks, join, extra).await
 }
 
+/// With `COROLLA_TEST_LOG` set (a `tracing` filter such as
+/// `warn,corolla_shared=debug`), the in-process servers' logs go to stderr:
+/// how a flaky network test is read after the fact (libtest captures only
+/// the test's own thread, and the servers run on the runtime's).
+fn log_servers_when_asked() {
+    static LOGS: std::sync::Once = std::sync::Once::new();
+    LOGS.call_once(|| {
+        if let Ok(filter) = std::env::var("COROLLA_TEST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+    });
+}
+
 /// [`start_server`] for any model folder or GGUF file.
 pub async fn start_model_server(
     model: &Path,
@@ -320,6 +336,7 @@ pub async fn start_model_server(
     join: Option<&str>,
     extra: &[&str],
 ) -> corolla_server::RunningServer {
+    log_servers_when_asked();
     let mut args: Vec<String> = [
         "corolla-server",
         "--model",
