@@ -184,14 +184,15 @@ fn admit_providers(
     providers: &HashSet<PeerId>,
     allowed: Option<&HashSet<PeerId>>,
 ) {
+    let room = MAX_PROVIDERS_CHECKED.saturating_sub(found.len());
     let new = providers
         .iter()
         .filter(|p| !found.contains(*p))
         .filter(|p| allowed.is_none_or(|a| a.contains(*p)))
+        .take(room)
         .copied()
         .collect::<Vec<_>>();
-    let room = MAX_PROVIDERS_CHECKED.saturating_sub(found.len());
-    found.extend(new.into_iter().take(room));
+    found.extend(new);
 }
 
 #[cfg(test)]
