@@ -1,12 +1,14 @@
-//! The interleaved Q4_1 kernel in AVX2: per block, four 32-byte loads give
-//! the nibbles of eight rows; each activation's four bytes are broadcast
+//! The interleaved Q4_1 kernel in AVX2, a group (half a unit) at a time:
+//! per block, four 32-byte loads give the nibbles of eight rows; each activation's four bytes are broadcast
 //! and multiplied against them (`maddubs`), the eight products summed in
 //! 16 bits (at most 8 × 2 × 15 × 128 = 30720: no overflow), then widened
 //! once per block.
 
 use std::arch::x86_64::*;
 
-use super::{ActivationRow, Nibbles, BLOCK, GROUP, GROUP_BLOCK_BYTES, MAX_ACTIVATIONS};
+use super::{
+    chunk_at, ActivationRow, Nibbles, BLOCK, GROUP, MAX_ACTIVATIONS, MINS_AT, UNIT_BLOCK_BYTES,
+};
 
 pub fn available() -> bool {
     is_x86_feature_detected!("avx2")
@@ -18,24 +20,22 @@ pub fn available() -> bool {
 pub fn group(
     format: Nibbles,
     per_row: usize,
-    weights: &[u8],
+    unit: &[u8],
+    group: usize,
     xs: &[ActivationRow],
     out: &mut [[f32; GROUP]],
 ) {
-    assert!(
-        weights.len() >= per_row * GROUP_BLOCK_BYTES,
-        "a short group"
-    );
-    assert!(out.len() >= xs.len());
-    let w = weights.as_ptr();
+    assert!(unit.len() >= per_row * UNIT_BLOCK_BYTES, "a short unit");
+    assert!(group < super::MAX_GROUPS && out.len() >= xs.len());
+    let w = unit.as_ptr();
     let rows = rows_of(per_row, xs);
     let rows = &rows[..xs.len()];
     // SAFETY: `available()` held when this kernel was chosen, and the
     // asserts above keep every read inside the slices.
     unsafe {
         match format {
-            Nibbles::Q4_0 => tiles::<true>(per_row, w, rows, out),
-            Nibbles::Q4_1 => tiles::<false>(per_row, w, rows, out),
+            Nibbles::Q4_0 => tiles::<true>(per_row, w, group, rows, out),
+            Nibbles::Q4_1 => tiles::<false>(per_row, w, group, rows, out),
         }
     }
 }
@@ -45,14 +45,15 @@ pub fn group(
 unsafe fn tiles<const OFFSET: bool>(
     per_row: usize,
     w: *const u8,
+    group: usize,
     x: &[Row],
     out: &mut [[f32; GROUP]],
 ) {
     match *x {
-        [a] => store(out, tile::<1, OFFSET>(per_row, w, [a])),
-        [a, b] => store(out, tile::<2, OFFSET>(per_row, w, [a, b])),
-        [a, b, c] => store(out, tile::<3, OFFSET>(per_row, w, [a, b, c])),
-        [a, b, c, d] => store(out, tile::<4, OFFSET>(per_row, w, [a, b, c, d])),
+        [a] => store(out, tile::<1, OFFSET>(per_row, w, group, [a])),
+        [a, b] => store(out, tile::<2, OFFSET>(per_row, w, group, [a, b])),
+        [a, b, c] => store(out, tile::<3, OFFSET>(per_row, w, group, [a, b, c])),
+        [a, b, c, d] => store(out, tile::<4, OFFSET>(per_row, w, group, [a, b, c, d])),
         _ => {}
     }
 }
@@ -93,23 +94,28 @@ unsafe fn store<const R: usize>(out: &mut [[f32; GROUP]], sums: [__m256; R]) {
     }
 }
 
-/// One group against `R` activation rows; `OFFSET` for Q4_0 (values are
-/// the nibbles less 8; no `m`).
+/// Group `group` of the unit at `w` against `R` activation rows; `OFFSET`
+/// for Q4_0 (values are the nibbles less 8; no `m`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const OFFSET: bool>(
     per_row: usize,
     w: *const u8,
+    group: usize,
     x: [Row; R],
 ) -> [__m256; R] {
+    let (scales_at, rows_at) = (2 * GROUP * group, 4 * GROUP * group);
     let nibble = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..per_row {
-        let block = w.add(b * GROUP_BLOCK_BYTES);
+        let block = w.add(b * UNIT_BLOCK_BYTES);
+        if group == 0 {
+            super::prefetch(block, UNIT_BLOCK_BYTES);
+        }
         let mut sums = [_mm256_setzero_si256(); R];
         for c in 0..4 {
-            let packed = _mm256_loadu_si256(block.add(4 * GROUP + 32 * c).cast());
+            let packed = _mm256_loadu_si256(block.add(chunk_at(c) + rows_at).cast());
             let low = _mm256_and_si256(packed, nibble);
             let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
             for r in 0..R {
@@ -125,8 +131,8 @@ unsafe fn tile<const R: usize, const OFFSET: bool>(
                 );
             }
         }
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(block.cast()));
-        let mw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * GROUP).cast()));
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(scales_at).cast()));
+        let mw = _mm256_cvtph_ps(_mm_loadu_si128(block.add(MINS_AT + scales_at).cast()));
         for r in 0..R {
             let mut sum = _mm256_madd_epi16(sums[r], ones);
             if OFFSET {

@@ -1,14 +1,18 @@
-//! The interleaved kernels in AVX-512 with VNNI: two groups (sixteen weight
-//! rows) in the lanes of one register, and each chunk's byte products
-//! summed into the rows' 32-bit lanes by one `vpdpbusd` (the nibbles are
-//! its unsigned operand, the activations its signed one). Per lane the
-//! arithmetic is the AVX2 kernel's: the block's exact integer sum, then
-//! the same fused multiply-adds, so both give the same bits.
+//! The interleaved kernels in AVX-512 with VNNI: a unit's sixteen weight
+//! rows in the lanes of one register (one 64-byte load a chunk), and each
+//! chunk's byte products summed into the rows' 32-bit lanes by one
+//! `vpdpbusd` (the nibbles are its unsigned operand, the activations its
+//! signed one). Per lane the arithmetic is the AVX2 kernel's: the block's
+//! exact integer sum, then the same fused multiply-adds, so both give the
+//! same bits.
 
 use std::arch::x86_64::*;
 
 use super::avx2::{self, rows_of, Row};
-use super::{ActivationRow, Nibbles, BLOCK, GROUP, GROUP_BLOCK_BYTES};
+use super::{
+    chunk_at, ActivationRow, Nibbles, BLOCK, GROUP, MAX_ACTIVATIONS, MINS_AT, UNIT,
+    UNIT_BLOCK_BYTES,
+};
 
 pub fn available() -> bool {
     avx2::available()
@@ -17,30 +21,26 @@ pub fn available() -> bool {
         && is_x86_feature_detected!("avx512vnni")
 }
 
-/// [`super::GroupKernel`] for CPUs where [`available`] holds: two groups at
-/// once, one through the AVX2 kernel.
-pub fn groups(
+/// [`super::UnitKernel`] for CPUs where [`available`] holds.
+pub fn unit(
     format: Nibbles,
     per_row: usize,
     weights: &[u8],
     xs: &[ActivationRow],
     out: &mut [[f32; GROUP]],
 ) {
-    let group_bytes = per_row * GROUP_BLOCK_BYTES;
-    if weights.len() < 2 * group_bytes {
-        return avx2::group(format, per_row, weights, xs, out);
-    }
+    assert!(weights.len() >= per_row * UNIT_BLOCK_BYTES, "a short unit");
     assert!(out.len() >= 2 * xs.len(), "a short output");
     let rows = rows_of(per_row, xs);
     let w = weights.as_ptr();
-    let mut sums = [[0f32; 2 * GROUP]; super::MAX_ACTIVATIONS];
+    let mut sums = [[0f32; UNIT]; MAX_ACTIVATIONS];
     // SAFETY: `available()` held when this kernel was chosen; `weights`
-    // holds two whole groups and `rows_of` checked the activation rows.
+    // holds a whole unit and `rows_of` checked the activation rows.
     unsafe {
         let rows = &rows[..xs.len()];
         match format {
-            Nibbles::Q4_0 => tiles::<true>(per_row, w, group_bytes, rows, &mut sums),
-            Nibbles::Q4_1 => tiles::<false>(per_row, w, group_bytes, rows, &mut sums),
+            Nibbles::Q4_0 => tiles::<true>(per_row, w, rows, &mut sums),
+            Nibbles::Q4_1 => tiles::<false>(per_row, w, rows, &mut sums),
         }
     }
     for (k, lanes) in sums[..xs.len()].iter().enumerate() {
@@ -53,65 +53,39 @@ pub fn groups(
 unsafe fn tiles<const OFFSET: bool>(
     per_row: usize,
     w: *const u8,
-    group_bytes: usize,
     x: &[Row],
-    out: &mut [[f32; 2 * GROUP]],
+    out: &mut [[f32; UNIT]],
 ) {
-    let store = |out: &mut [[f32; 2 * GROUP]], sums: &[__m512]| {
+    let store = |out: &mut [[f32; UNIT]], sums: &[__m512]| {
         for (lanes, sum) in out.iter_mut().zip(sums) {
             _mm512_storeu_ps(lanes.as_mut_ptr(), *sum);
         }
     };
     match *x {
-        [a] => store(out, &tile::<1, OFFSET>(per_row, w, group_bytes, [a])),
-        [a, b] => store(out, &tile::<2, OFFSET>(per_row, w, group_bytes, [a, b])),
-        [a, b, c] => store(out, &tile::<3, OFFSET>(per_row, w, group_bytes, [a, b, c])),
-        [a, b, c, d] => store(
-            out,
-            &tile::<4, OFFSET>(per_row, w, group_bytes, [a, b, c, d]),
-        ),
+        [a] => store(out, &tile::<1, OFFSET>(per_row, w, [a])),
+        [a, b] => store(out, &tile::<2, OFFSET>(per_row, w, [a, b])),
+        [a, b, c] => store(out, &tile::<3, OFFSET>(per_row, w, [a, b, c])),
+        [a, b, c, d] => store(out, &tile::<4, OFFSET>(per_row, w, [a, b, c, d])),
         _ => {}
     }
 }
 
-/// 32 bytes at `low` and 32 at `high` as one register.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn two_halves(low: *const u8, high: *const u8) -> __m512i {
-    _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(low.cast())),
-        _mm256_loadu_si256(high.cast()),
-        1,
-    )
-}
-
-/// Eight f16s at `low` and eight at `high` as sixteen f32s.
-#[inline]
-#[target_feature(enable = "avx512f,avx2")]
-unsafe fn two_scales(low: *const u8, high: *const u8) -> __m512 {
-    let halves = _mm256_set_m128i(_mm_loadu_si128(high.cast()), _mm_loadu_si128(low.cast()));
-    _mm512_cvtph_ps(halves)
-}
-
-/// Two groups (the second `group_bytes` after the first) against `R`
-/// activation rows; `OFFSET` for Q4_0.
+/// The unit at `w` against `R` activation rows; `OFFSET` for Q4_0.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const OFFSET: bool>(
     per_row: usize,
     w: *const u8,
-    group_bytes: usize,
     x: [Row; R],
 ) -> [__m512; R] {
     let nibble = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..per_row {
-        let first = w.add(b * GROUP_BLOCK_BYTES);
-        let second = first.add(group_bytes);
+        let block = w.add(b * UNIT_BLOCK_BYTES);
+        super::prefetch(block, UNIT_BLOCK_BYTES);
         let mut sums = [_mm512_setzero_si512(); R];
         for c in 0..4 {
-            let at = 4 * GROUP + 32 * c;
-            let packed = two_halves(first.add(at), second.add(at));
+            let packed = _mm512_loadu_si512(block.add(chunk_at(c)).cast());
             let low = _mm512_and_si512(packed, nibble);
             let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
             for r in 0..R {
@@ -121,8 +95,8 @@ unsafe fn tile<const R: usize, const OFFSET: bool>(
                 sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[r], low, xl), high, xh);
             }
         }
-        let dw = two_scales(first, second);
-        let mw = two_scales(first.add(2 * GROUP), second.add(2 * GROUP));
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+        let mw = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(MINS_AT).cast()));
         for r in 0..R {
             let mut sum = sums[r];
             if OFFSET {

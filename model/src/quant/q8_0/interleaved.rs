@@ -1,7 +1,8 @@
-//! Q8_0 weights repacked eight rows to a group, for CPUs with AVX-512
-//! VNNI: one register holds four values of sixteen rows (two groups), and
-//! one `vpdpbusd` adds their products with four broadcast activations into
-//! the rows' lanes. Its unsigned operand is the weight plus 128, so a
+//! Q8_0 weights repacked sixteen rows to a unit (two groups of eight,
+//! zipped block by block as [`super::super::interleaved`] zips Q4's), for
+//! CPUs with AVX-512 VNNI: one 64-byte load holds four values of sixteen
+//! rows, and one `vpdpbusd` adds their products with four broadcast
+//! activations into the rows' lanes. Its unsigned operand is the weight plus 128, so a
 //! block's sum is less 128 × the activations' sum, which is exact. A
 //! block's sums are then scaled and added as the row kernel does
 //! ([`super`]): the repacked matrix gives the row layout's bits (a page,
@@ -9,16 +10,23 @@
 
 use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
 
-use super::super::interleaved::{run_groups, GROUP};
+use super::super::interleaved::{run_units, GROUP, MAX_GROUPS, UNIT};
 use super::super::parallel::Shape;
 use super::{bytes_of, scale_of, BLOCK, BLOCK_BYTES};
 use crate::error::{ModelError, Result};
 
-/// One block of a group: eight `d`s (f16), then eight chunks of 32 bytes;
+/// One block of a unit: sixteen `d`s (f16), then eight chunks of 64 bytes;
 /// chunk `c` holds values `4c..4c + 4` of each row, plus 128, row after row.
-const GROUP_BLOCK_BYTES: usize = 2 * GROUP + 8 * 32;
+const UNIT_BLOCK_BYTES: usize = 2 * UNIT + 8 * CHUNK_BYTES;
+/// A chunk: four values of each of a unit's rows.
+const CHUNK_BYTES: usize = 4 * UNIT;
 
-/// A Q8_0 matrix `[rows, cols]` in groups of eight rows (the last group
+/// Where, in a unit's block, chunk `c` starts.
+const fn chunk_at(c: usize) -> usize {
+    2 * UNIT + CHUNK_BYTES * c
+}
+
+/// A Q8_0 matrix `[rows, cols]` in units of sixteen rows (the last unit
 /// padded with zero rows).
 #[derive(Debug, Clone)]
 pub(crate) struct InterleavedQ8 {
@@ -33,11 +41,10 @@ struct ActivationRow<'a> {
     sums: &'a [i32],
 }
 
-/// Multiplies `n` (up to `MAX_GROUPS`) whole groups by up to
-/// `MAX_ACTIVATIONS` activation rows: `out[r * n + i][j]` is weight row `j`
-/// of group `i` times row `r`.
-type GroupKernel =
-    fn(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
+/// Multiplies one unit by up to `MAX_ACTIVATIONS` activation rows:
+/// `out[r * MAX_GROUPS + i][j]` is weight row `j` of the unit's group `i`
+/// times row `r`.
+type UnitKernel = fn(per_row: usize, unit: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
 
 impl InterleavedQ8 {
     /// Whether this CPU has the kernel the repacked layout needs.
@@ -58,26 +65,26 @@ impl InterleavedQ8 {
             )));
         }
         let bytes = bytes_of(blocks);
-        let groups = rows.div_ceil(GROUP);
-        let mut packed = vec![0u8; groups * per_row * GROUP_BLOCK_BYTES];
-        for (g, group) in packed
-            .chunks_exact_mut(per_row * GROUP_BLOCK_BYTES)
+        let units = rows.div_ceil(UNIT);
+        let mut packed = vec![0u8; units * per_row * UNIT_BLOCK_BYTES];
+        for (u, unit) in packed
+            .chunks_exact_mut(per_row * UNIT_BLOCK_BYTES)
             .enumerate()
         {
-            for (b, dst) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
-                for j in 0..GROUP {
-                    let row = g * GROUP + j;
+            for (b, dst) in unit.chunks_exact_mut(UNIT_BLOCK_BYTES).enumerate() {
+                for j in 0..UNIT {
+                    let row = u * UNIT + j;
                     if row >= rows {
                         // Padding rows: zero weights (128 stored), zero scales.
                         for c in 0..8 {
-                            dst[2 * GROUP + 32 * c + 4 * j..][..4].fill(128);
+                            dst[chunk_at(c) + 4 * j..][..4].fill(128);
                         }
                         continue;
                     }
                     let src = &bytes[(row * per_row + b) * BLOCK_BYTES..][..BLOCK_BYTES];
                     dst[2 * j..2 * j + 2].copy_from_slice(&src[..2]);
                     for c in 0..8 {
-                        let to = 2 * GROUP + 32 * c + 4 * j;
+                        let to = chunk_at(c) + 4 * j;
                         for t in 0..4 {
                             dst[to + t] = (src[2 + 4 * c + t] as i8 as i16 + 128) as u8;
                         }
@@ -97,7 +104,7 @@ impl InterleavedQ8 {
         self.matmul_with(kernel(), shape, input, out)
     }
 
-    fn matmul_with(&self, kernel: GroupKernel, shape: Shape, input: &[f32], out: &mut [f32]) {
+    fn matmul_with(&self, kernel: UnitKernel, shape: Shape, input: &[f32], out: &mut [f32]) {
         let Shape { rows, cols, batch } = shape;
         debug_assert_eq!((rows, cols), (self.rows, self.cols));
         let per_row = cols / BLOCK;
@@ -120,9 +127,9 @@ impl InterleavedQ8 {
                 sums: &sums[r * per_row..(r + 1) * per_row],
             })
             .collect();
-        run_groups(
+        run_units(
             &self.bytes,
-            per_row * GROUP_BLOCK_BYTES,
+            per_row * UNIT_BLOCK_BYTES,
             shape,
             &activations,
             |weights, xs, sums| kernel(per_row, weights, xs, sums),
@@ -131,36 +138,35 @@ impl InterleavedQ8 {
     }
 }
 
-fn kernel() -> GroupKernel {
+fn kernel() -> UnitKernel {
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
-        return avx512::groups;
+        return avx512::unit;
     }
     portable
 }
 
 /// The kernels' arithmetic in plain Rust (the tests' reference).
-fn portable(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
-    let group_bytes = per_row * GROUP_BLOCK_BYTES;
-    let n = groups.len() / group_bytes;
-    for (i, group) in groups.chunks_exact(group_bytes).enumerate() {
+fn portable(per_row: usize, unit: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
+    for group in 0..MAX_GROUPS {
         for (r, x) in xs.iter().enumerate() {
-            let out = &mut out[r * n + i];
+            let out = &mut out[r * MAX_GROUPS + group];
             *out = [0.0; GROUP];
             for b in 0..per_row {
-                let block = &group[b * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+                let block = &unit[b * UNIT_BLOCK_BYTES..][..UNIT_BLOCK_BYTES];
                 let activations = &x.blocks[b * BLOCK_BYTES..][..BLOCK_BYTES];
                 let dx = scale_of(activations);
                 for (j, total) in out.iter_mut().enumerate() {
+                    let row = group * GROUP + j;
                     let mut sum = 0i32;
                     for c in 0..8 {
                         for t in 0..4 {
-                            let w = block[2 * GROUP + 32 * c + 4 * j + t] as i32;
+                            let w = block[chunk_at(c) + 4 * row + t] as i32;
                             sum += w * (activations[2 + 4 * c + t] as i8) as i32;
                         }
                     }
                     let sum = sum - 128 * x.sums[b];
-                    *total += (scale_of(&block[2 * j..]) * dx) * sum as f32;
+                    *total += (scale_of(&block[2 * row..]) * dx) * sum as f32;
                 }
             }
         }
@@ -171,8 +177,8 @@ fn portable(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::super::super::interleaved::{MAX_ACTIVATIONS, MAX_GROUPS};
-    use super::{ActivationRow, BLOCK_BYTES, GROUP, GROUP_BLOCK_BYTES};
+    use super::super::super::interleaved::{prefetch, MAX_ACTIVATIONS};
+    use super::{chunk_at, ActivationRow, BLOCK_BYTES, GROUP, UNIT, UNIT_BLOCK_BYTES};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx512f")
@@ -182,89 +188,72 @@ mod avx512 {
             && is_x86_feature_detected!("avx2")
     }
 
-    /// [`super::GroupKernel`]: two groups in the lanes of one register (a
-    /// lone group fills both halves, and the second is dropped).
-    pub fn groups(per_row: usize, groups: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
-        let group_bytes = per_row * GROUP_BLOCK_BYTES;
-        let n = groups.len() / group_bytes;
+    /// [`super::UnitKernel`]: a unit's sixteen rows in the lanes of one register.
+    pub fn unit(per_row: usize, unit: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
         assert!(
-            (1..=MAX_GROUPS).contains(&n) && xs.len() <= MAX_ACTIVATIONS,
+            unit.len() >= per_row * UNIT_BLOCK_BYTES && xs.len() <= MAX_ACTIVATIONS,
             "a kernel call too large"
         );
-        assert!(out.len() >= n * xs.len(), "a short output");
+        assert!(out.len() >= 2 * xs.len(), "a short output");
         for x in xs {
             assert!(x.blocks.len() >= per_row * BLOCK_BYTES && x.sums.len() >= per_row);
         }
-        let second = (n - 1) * group_bytes;
-        let mut lanes = [[0f32; 2 * GROUP]; MAX_ACTIVATIONS];
-        let w = groups.as_ptr();
+        let mut lanes = [[0f32; UNIT]; MAX_ACTIVATIONS];
+        let w = unit.as_ptr();
         let rows: [(*const u8, *const i32); MAX_ACTIVATIONS] = std::array::from_fn(|r| {
             xs.get(r).map_or((std::ptr::null(), std::ptr::null()), |x| {
                 (x.blocks.as_ptr(), x.sums.as_ptr())
             })
         });
         // SAFETY: `available()` held when this kernel was chosen; the asserts
-        // keep every read inside `groups` and the activation rows.
+        // keep every read inside `unit` and the activation rows.
         unsafe {
             match xs.len() {
-                1 => store(&mut lanes, tile::<1>(per_row, w, second, [rows[0]])),
-                2 => store(
-                    &mut lanes,
-                    tile::<2>(per_row, w, second, [rows[0], rows[1]]),
-                ),
+                1 => store(&mut lanes, tile::<1>(per_row, w, [rows[0]])),
+                2 => store(&mut lanes, tile::<2>(per_row, w, [rows[0], rows[1]])),
                 3 => store(
                     &mut lanes,
-                    tile::<3>(per_row, w, second, [rows[0], rows[1], rows[2]]),
+                    tile::<3>(per_row, w, [rows[0], rows[1], rows[2]]),
                 ),
-                4 => store(&mut lanes, tile::<4>(per_row, w, second, rows)),
+                4 => store(&mut lanes, tile::<4>(per_row, w, rows)),
                 _ => {}
             }
         }
         for (r, lanes) in lanes[..xs.len()].iter().enumerate() {
-            out[r * n].copy_from_slice(&lanes[..GROUP]);
-            if n == 2 {
-                out[r * n + 1].copy_from_slice(&lanes[GROUP..]);
-            }
+            out[2 * r].copy_from_slice(&lanes[..GROUP]);
+            out[2 * r + 1].copy_from_slice(&lanes[GROUP..]);
         }
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn store<const R: usize>(out: &mut [[f32; 2 * GROUP]], sums: [__m512; R]) {
+    unsafe fn store<const R: usize>(out: &mut [[f32; UNIT]], sums: [__m512; R]) {
         for (lanes, sum) in out.iter_mut().zip(sums) {
             _mm512_storeu_ps(lanes.as_mut_ptr(), sum);
         }
     }
 
-    /// Groups at `w` and `w + second` against `R` activation rows.
+    /// The unit at `w` against `R` activation rows.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
     unsafe fn tile<const R: usize>(
         per_row: usize,
         w: *const u8,
-        second: usize,
         x: [(*const u8, *const i32); R],
     ) -> [__m512; R] {
         let mut total = [_mm512_setzero_ps(); R];
         for b in 0..per_row {
-            let low = w.add(b * GROUP_BLOCK_BYTES);
-            let high = low.add(second);
+            let block = w.add(b * UNIT_BLOCK_BYTES);
+            prefetch(block, UNIT_BLOCK_BYTES);
             let mut sums = [_mm512_setzero_si512(); R];
             for c in 0..8 {
-                let at = 2 * GROUP + 32 * c;
-                let weights = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(low.add(at).cast())),
-                    _mm256_loadu_si256(high.add(at).cast()),
-                    1,
-                );
+                let weights = _mm512_loadu_si512(block.add(chunk_at(c)).cast());
                 for r in 0..R {
                     let values = x[r].0.add(b * BLOCK_BYTES + 2 + 4 * c);
                     let xs = _mm512_set1_epi32(std::ptr::read_unaligned(values.cast()));
                     sums[r] = _mm512_dpbusd_epi32(sums[r], weights, xs);
                 }
             }
-            let scales =
-                _mm256_set_m128i(_mm_loadu_si128(high.cast()), _mm_loadu_si128(low.cast()));
-            let dw = _mm512_cvtph_ps(scales);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             for r in 0..R {
                 let offset = _mm512_set1_epi32(128 * *x[r].1.add(b));
                 let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r], offset));
@@ -294,10 +283,10 @@ mod tests {
         let (rows, cols) = (45, 256);
         let (blocks, _) = super::super::test_matrix(rows, cols, 0);
         let packed = InterleavedQ8::new(&blocks, rows, cols).unwrap();
-        let mut kernels: Vec<(&str, GroupKernel)> = vec![("portable", portable)];
+        let mut kernels: Vec<(&str, UnitKernel)> = vec![("portable", portable)];
         #[cfg(target_arch = "x86_64")]
         if avx512::available() {
-            kernels.push(("avx512", avx512::groups));
+            kernels.push(("avx512", avx512::unit));
         }
         for batch in [1, 3, 4, 6] {
             let (_, input) = super::super::test_matrix(rows, cols, batch);
