@@ -201,7 +201,7 @@ fn batching_limits(model: &std::path::Path, rounds: usize) -> anyhow::Result<Str
          is compute-bound, not memory-bound: with these kernels sixteen rows cost at least 16 × {compute_ms_per_row:.1} ms = \
          {:.1} ms, so the span alone reaches at most {:.1}× at 16; it measured {:.2}×. For 8× sixteen rows would have to \
          cost no more than two single steps ({:.1} ms), compute ~{:.1}× faster than this. The span's Q4_1 weights are \
-         already repacked eight rows to a group as llama.cpp repacks them for batches (`model/src/quant/interleaved.rs`): \
+         already repacked sixteen rows to a unit as llama.cpp repacks them for batches (`model/src/quant/interleaved.rs`): \
          a block's nibbles are unpacked once for four sessions, and with AVX-512 VNNI one `vpdpbusd` meets sixteen \
          weight rows (`interleaved/avx512.rs`). And in the full-stack table the sixteen \
          clients' heads ({head:.2} ms a token each) share the same two cores: with a token costing its share of a step \
