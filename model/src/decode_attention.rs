@@ -5,6 +5,7 @@
 //! projections; here it is one pass over the cached keys and values.
 
 use candle_core::{DType, Device, Storage, Tensor};
+use smallvec::SmallVec;
 
 use crate::error::{ModelError, Result};
 use crate::quant::parallel::{self, OutPtr};
@@ -35,7 +36,8 @@ pub(crate) fn attend(
     shape: HeadShape,
 ) -> Result<Tensor> {
     let q = q.flatten_all()?.to_vec1::<f32>()?;
-    let out = attend_rows(&q, keys, values, starts, shape)?;
+    let mut out = Vec::new();
+    attend_rows(&q, keys, values, starts, shape, &mut out)?;
     Ok(Tensor::from_vec(
         out,
         (starts.len(), shape.heads * shape.head_dim),
@@ -43,15 +45,21 @@ pub(crate) fn attend(
     )?)
 }
 
+/// Sessions a step's bookkeeping holds without allocating.
+const INLINE_SESSIONS: usize = 8;
+
 /// [`attend`] of query rows of plain f32 (`q`: `[B, heads, head_dim]`):
-/// `[B, heads * head_dim]` values.
+/// `[B, heads * head_dim]` values, into `out`. A step of up to
+/// [`INLINE_SESSIONS`] sessions allocates nothing once `out` has held one
+/// as large.
 pub(crate) fn attend_rows(
     q: &[f32],
     keys: &[&Tensor],
     values: &[&Tensor],
     starts: &[usize],
     shape: HeadShape,
-) -> Result<Vec<f32>> {
+    out: &mut Vec<f32>,
+) -> Result<()> {
     let HeadShape {
         heads,
         kv_heads,
@@ -67,8 +75,8 @@ pub(crate) fn attend_rows(
     // Each session's cache, read in place (the guards outlive the work);
     // a step of several positions passes one session's cache for each, and
     // its lock is read once.
-    let mut distinct: Vec<(&Tensor, &Tensor)> = Vec::new();
-    let which: Vec<usize> = keys
+    let mut distinct: SmallVec<[(&Tensor, &Tensor); INLINE_SESSIONS]> = SmallVec::new();
+    let which: SmallVec<[usize; INLINE_SESSIONS]> = keys
         .iter()
         .zip(values)
         .map(
@@ -81,11 +89,11 @@ pub(crate) fn attend_rows(
             },
         )
         .collect();
-    let guards: Vec<_> = distinct
+    let guards: SmallVec<[_; INLINE_SESSIONS]> = distinct
         .iter()
         .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
         .collect();
-    let mut caches = Vec::with_capacity(b);
+    let mut caches: SmallVec<[Cached; INLINE_SESSIONS]> = SmallVec::new();
     for (&at, &start) in which.iter().zip(starts) {
         let (k_guard, v_guard) = &guards[at];
         let seen = start + 1;
@@ -97,10 +105,14 @@ pub(crate) fn attend_rows(
             seen,
         });
     }
-    let mut out = vec![0f32; b * heads * head_dim];
+    out.clear();
+    out.resize(b * heads * head_dim, 0.0);
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let attend_heads = |units: std::ops::Range<usize>| {
-        let mut scores = Vec::new();
+    let capacity = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
+    let attend_units = |units: std::ops::Range<usize>, scores: &mut Vec<f32>| {
+        // Room for every position a cache may come to hold, once: a
+        // thread's scores then never grow step after step.
+        scores.reserve(capacity);
         for unit in units {
             let (i, h) = (unit / heads, unit % heads);
             let cache = &caches[i];
@@ -116,13 +128,22 @@ pub(crate) fn attend_rows(
                 values: &cache.values[seen],
                 scale,
             };
-            head.attend(&mut scores, o);
+            head.attend(scores, o);
         }
+    };
+    let attend_heads = |units: std::ops::Range<usize>| {
+        SCORES.with_borrow_mut(|scores| attend_units(units, scores))
     };
     let work = caches.iter().map(|c| c.seen - c.first).sum::<usize>() * heads * head_dim * 2;
     parallel::split(b * heads, work, attend_heads);
+    drop(caches);
     drop(guards);
-    Ok(out)
+    Ok(())
+}
+
+thread_local! {
+    /// A head's scores, kept by each compute thread between heads and steps.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A session's cached keys and values (`[kv_heads, capacity, head_dim]`)

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::error::Result;
-use crate::quant::QuantMatrix;
+use crate::quant::{ActivationScratch, QuantMatrix};
 
 #[derive(Debug, Clone)]
 pub(crate) enum Linear {
@@ -105,29 +105,38 @@ impl Linear {
         }
     }
 
-    /// [`Self::forward`] of `rows` rows of plain f32 (`x`: `[rows, in]`),
-    /// with the same bits: Corolla's kernels take the rows as they are,
-    /// anything else goes through a tensor.
-    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+    /// [`Self::forward`] of `rows` rows of plain f32 (`x`: `[rows, in]`)
+    /// into `y`, with the same bits: Corolla's kernels take the rows as
+    /// they are (their activations rounded into `scratch`, so that a step
+    /// allocates nothing), anything else goes through a tensor.
+    pub fn forward_rows_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        y: &mut Vec<f32>,
+        scratch: &mut ActivationScratch,
+    ) -> Result<()> {
         let Linear::Quantized {
             weight: QuantizedWeight::Blocks(matrix),
             bias,
         } = self
         else {
             let input = Tensor::from_slice(x, (rows, x.len() / rows.max(1)), &Device::Cpu)?;
-            return Ok(self.forward(&input)?.flatten_all()?.to_vec1()?);
+            *y = self.forward(&input)?.flatten_all()?.to_vec1()?;
+            return Ok(());
         };
-        let mut y = vec![0f32; rows * matrix.rows()];
-        matrix.matmul(x, rows, &mut y)?;
+        y.resize(rows * matrix.rows(), 0.0);
+        matrix.matmul_reusing(x, rows, y, scratch)?;
         if let Some(bias) = bias {
-            let bias = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            for row in y.chunks_exact_mut(bias.len()) {
-                for (y, b) in row.iter_mut().zip(&bias) {
-                    *y += b;
+            with_f32_values(bias, |bias| {
+                for row in y.chunks_exact_mut(bias.len()) {
+                    for (y, b) in row.iter_mut().zip(bias) {
+                        *y += b;
+                    }
                 }
-            }
+            })?;
         }
-        Ok(y)
+        Ok(())
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -162,6 +171,22 @@ impl Linear {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+/// Calls `f` with `t`'s values as f32, read in place where they are f32
+/// already (a bias, at every step).
+pub(crate) fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let t = t.to_dtype(DType::F32)?;
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(cpu), Some((start, end))) => {
+            Ok(f(&cpu.as_slice::<f32>()?[start..end]))
+        }
+        _ => {
+            drop(storage);
+            Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
+        }
     }
 }
 
@@ -231,35 +256,37 @@ impl<const N: usize> Projections<N> {
         }
     }
 
-    /// [`Self::forward`] of `rows` rows of plain f32: each projection's
-    /// `[rows, width]` values.
-    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<[Vec<f32>; N]> {
-        let outputs: Vec<Vec<f32>> = match self {
-            Projections::Separate(parts) => parts
-                .iter()
-                .map(|p| p.forward_rows(x, rows))
-                .collect::<Result<_>>()?,
+    /// [`Self::forward`] of `rows` rows of plain f32 into `outputs`: each
+    /// projection's `[rows, width]` values (`stacked`: room for a stacked
+    /// product's outputs before they are split).
+    pub fn forward_rows_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        outputs: [&mut Vec<f32>; N],
+        stacked: &mut Vec<f32>,
+        scratch: &mut ActivationScratch,
+    ) -> Result<()> {
+        match self {
+            Projections::Separate(parts) => {
+                for (part, out) in parts.iter().zip(outputs) {
+                    part.forward_rows_into(x, rows, out, scratch)?;
+                }
+            }
             Projections::Stacked { linear, widths } => {
-                let y = linear.forward_rows(x, rows)?;
+                linear.forward_rows_into(x, rows, stacked, scratch)?;
                 let total: usize = widths.iter().sum();
                 let mut at = 0;
-                widths
-                    .iter()
-                    .map(|&w| {
-                        let part = y
-                            .chunks_exact(total)
-                            .flat_map(|row| &row[at..at + w])
-                            .copied()
-                            .collect();
-                        at += w;
-                        part
-                    })
-                    .collect()
+                for (&w, out) in widths.iter().zip(outputs) {
+                    out.clear();
+                    for row in stacked.chunks_exact(total) {
+                        out.extend_from_slice(&row[at..at + w]);
+                    }
+                    at += w;
+                }
             }
-        };
-        Ok(outputs
-            .try_into()
-            .unwrap_or_else(|_| unreachable!("one output per projection")))
+        }
+        Ok(())
     }
 
     /// Each projection of `x`, in the order they were given.

@@ -9,6 +9,15 @@ use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::linear::{Linear, Projections};
 use crate::lora::RowLoras;
+use crate::quant::ActivationScratch;
+
+/// The room a step of [`Mlp::forward_rows_into`] reuses.
+#[derive(Debug, Default)]
+pub(crate) struct MlpScratch {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    stacked: Vec<f32>,
+}
 
 /// `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
@@ -39,26 +48,35 @@ impl Mlp {
         self.gate_up.multiplied_by_candle() || self.down_proj.multiplied_by_candle()
     }
 
-    /// [`Self::forward`] of `rows` rows of plain f32, with the same bits.
-    pub(crate) fn forward_rows(
+    /// [`Self::forward`] of `rows` rows of plain f32 into `out`, with the
+    /// same bits, in the room `scratch` keeps between steps.
+    pub(crate) fn forward_rows_into(
         &self,
         x: &[f32],
         rows: usize,
         loras: &RowLoras,
-    ) -> Result<Vec<f32>> {
-        let [gate, up] = self.gate_up.forward_rows(x, rows)?;
-        let gate = loras.add_rows(Target::Gate, x, rows, gate)?;
-        let up = loras.add_rows(Target::Up, x, rows, up)?;
-        // Candle's SiLU of f32, then the product: the same two roundings.
-        let mut gated = vec![0f32; gate.len()];
-        crate::quant::parallel::for_parts(&mut gated, 512, |start, part| {
-            let (gate, up) = (&gate[start..], &up[start..]);
-            for ((out, &g), &u) in part.iter_mut().zip(gate).zip(up) {
-                *out = g / (1.0 + (-g).exp()) * u;
+        out: &mut Vec<f32>,
+        scratch: &mut MlpScratch,
+        activations: &mut ActivationScratch,
+    ) -> Result<()> {
+        let MlpScratch { gate, up, stacked } = scratch;
+        self.gate_up
+            .forward_rows_into(x, rows, [gate, up], stacked, activations)?;
+        *gate = loras.add_rows(Target::Gate, x, rows, std::mem::take(gate))?;
+        *up = loras.add_rows(Target::Up, x, rows, std::mem::take(up))?;
+        // Candle's SiLU of f32, then the product: the same two roundings
+        // (into `gate`, which is read nowhere else).
+        let up = &*up;
+        crate::quant::parallel::for_parts(gate, 512, |start, part| {
+            for (g, &u) in part.iter_mut().zip(&up[start..]) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
             }
         });
-        let down = self.down_proj.forward_rows(&gated, rows)?;
-        loras.add_rows(Target::Down, &gated, rows, down)
+        let gated = &*gate;
+        self.down_proj
+            .forward_rows_into(gated, rows, out, activations)?;
+        *out = loras.add_rows(Target::Down, gated, rows, std::mem::take(out))?;
+        Ok(())
     }
 
     pub(crate) fn forward(&self, x: &Tensor, loras: &RowLoras) -> Result<Tensor> {

@@ -30,10 +30,10 @@ impl Norm {
         Ok(self.candle.forward(x)?)
     }
 
-    /// Each row of `x` (rows as wide as the weight) normed, as candle's
-    /// CPU kernel computes it.
-    pub fn rows(&self, x: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; x.len()];
+    /// Each row of `x` (rows as wide as the weight) normed into `out`, as
+    /// candle's CPU kernel computes it.
+    pub fn rows_into(&self, x: &[f32], out: &mut Vec<f32>) {
+        out.resize(x.len(), 0.0);
         let n = self.weight.len();
         for (src, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
             let sum2 = src.iter().map(|&v| v * v).sum::<f32>();
@@ -42,6 +42,5 @@ impl Norm {
                 *d = s / m * alpha;
             }
         }
-        out
     }
 }

@@ -9,6 +9,7 @@
 //! piece to move out next.
 
 mod rows;
+mod scratch;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -347,6 +348,8 @@ pub struct BlockSpan {
     pool: ComputePool,
     /// Steps run as rows of plain f32 (`span/rows.rs`): f32 on the CPU.
     rows: bool,
+    /// The rows path's buffers, kept between steps.
+    scratch: scratch::ScratchSlot,
 }
 
 impl BlockSpan {
@@ -379,6 +382,7 @@ impl BlockSpan {
             device: device.clone(),
             pool,
             rows: device.is_cpu() && dtype == DType::F32,
+            scratch: Default::default(),
         })
     }
 

@@ -171,9 +171,16 @@ impl InterleavedQ4 {
         })
     }
 
-    /// `out[r * rows + o] = dot(weight row o, input row r)`.
-    pub fn matmul(&self, shape: Shape, input: &[f32], out: &mut [f32]) {
-        self.matmul_with(kernel(), quantizer(), shape, input, out)
+    /// `out[r * rows + o] = dot(weight row o, input row r)`, the input
+    /// rows quantized into `activations`.
+    pub fn matmul(
+        &self,
+        shape: Shape,
+        input: &[f32],
+        out: &mut [f32],
+        activations: &mut Activations,
+    ) {
+        self.matmul_with(kernel(), quantizer(), shape, input, out, activations)
     }
 
     fn matmul_with(
@@ -183,18 +190,18 @@ impl InterleavedQ4 {
         shape: Shape,
         input: &[f32],
         out: &mut [f32],
+        activations: &mut Activations,
     ) {
         let Shape { rows, cols, batch } = shape;
         debug_assert_eq!((rows, cols), (self.rows, self.cols));
         let per_row = cols / BLOCK;
-        let quantized = Activations::new(input, batch * per_row, quantize);
-        let activations: Vec<ActivationRow> =
-            (0..batch).map(|r| quantized.row(r, per_row)).collect();
+        activations.quantize(input, batch * per_row, quantize);
+        let activations = &*activations;
         run_units(
             &self.bytes,
             per_row * UNIT_BLOCK_BYTES,
             shape,
-            &activations,
+            |r| activations.row(r, per_row),
             |weights, xs, sums| kernel(self.format, per_row, weights, xs, sums),
             out,
         );
@@ -202,30 +209,38 @@ impl InterleavedQ4 {
 }
 
 /// Multiplies a matrix repacked [`UNIT`] rows to a unit (`unit_bytes` a
-/// unit in `bytes`, the last one padded) by `activations` (one per input
-/// row): `kernel` takes one unit and up to [`MAX_ACTIVATIONS`] rows a call,
+/// unit in `bytes`, the last one padded) by the activation rows
+/// (`activation(r)` for each input row `r`): `kernel` takes one unit and up
+/// to [`MAX_ACTIVATIONS`] rows a call,
 /// as [`UnitKernel`] does, and the units are split over the pool. Writes
 /// `out[r * rows + o]`; the last unit's padding rows are dropped.
-pub(crate) fn run_units<A: Sync>(
+pub(crate) fn run_units<A: Copy + Sync>(
     bytes: &[u8],
     unit_bytes: usize,
     shape: Shape,
-    activations: &[A],
+    activation: impl Fn(usize) -> A + Sync,
     kernel: impl Fn(&[u8], &[A], &mut [[f32; GROUP]]) + Sync,
     out: &mut [f32],
 ) {
     let Shape { rows, cols, batch } = shape;
     let units = rows.div_ceil(UNIT);
     assert_eq!(out.len(), batch * rows, "output of the wrong size");
-    assert_eq!(activations.len(), batch, "one activation row per input row");
     assert!(bytes.len() >= units * unit_bytes, "a short matrix");
+    if batch == 0 {
+        return;
+    }
     let out_ptr = OutPtr(out.as_mut_ptr());
     let run = |range: std::ops::Range<usize>| {
         let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS * MAX_GROUPS];
         for u in range {
             let weights = &bytes[u * unit_bytes..(u + 1) * unit_bytes];
-            for (tile, xs) in activations.chunks(MAX_ACTIVATIONS).enumerate() {
-                let sums = &mut sums[..xs.len() * MAX_GROUPS];
+            for tile in 0..batch.div_ceil(MAX_ACTIVATIONS) {
+                let first = tile * MAX_ACTIVATIONS;
+                let n = MAX_ACTIVATIONS.min(batch - first);
+                let xs: [A; MAX_ACTIVATIONS] =
+                    std::array::from_fn(|k| activation(first + k.min(n - 1)));
+                let xs = &xs[..n];
+                let sums = &mut sums[..n * MAX_GROUPS];
                 kernel(weights, xs, sums);
                 for (k, lanes) in sums.iter().enumerate() {
                     let r = tile * MAX_ACTIVATIONS + k / MAX_GROUPS;
@@ -246,8 +261,10 @@ pub(crate) fn run_units<A: Sync>(
 /// Activation rows rounded to 8 bits per block of 32 as llama.cpp's Q8_1
 /// does (`d` = the block's largest magnitude / 127, `s` = `d` × the sum of
 /// its values, in f16 as candle computes them), rounding halves to even in
-/// every kernel.
-struct Activations {
+/// every kernel. Kept by the caller between products, so that a step
+/// reuses their room instead of allocating it.
+#[derive(Debug, Default)]
+pub(crate) struct Activations {
     values: Vec<i8>,
     /// `d` and `s` of each block, as f32.
     scales: Vec<f32>,
@@ -256,10 +273,16 @@ struct Activations {
 }
 
 impl Activations {
-    fn new(input: &[f32], blocks: usize, quantize: Quantizer) -> Self {
-        let mut values = vec![0i8; blocks * BLOCK];
-        let mut scales = vec![0f32; blocks * 2];
-        let mut sums = vec![0i32; blocks];
+    /// Rounds `input`, `blocks` blocks of [`BLOCK`] values.
+    fn quantize(&mut self, input: &[f32], blocks: usize, quantize: Quantizer) {
+        let Activations {
+            values,
+            scales,
+            sums,
+        } = self;
+        values.resize(blocks * BLOCK, 0);
+        scales.resize(blocks * 2, 0.0);
+        sums.resize(blocks, 0);
         for (((x, q), scale), block_sum) in input
             .chunks_exact(BLOCK)
             .zip(values.chunks_exact_mut(BLOCK))
@@ -271,11 +294,6 @@ impl Activations {
             let d = f16::from_f32(d);
             scale[0] = d.to_f32();
             scale[1] = (f16::from_f32(sum as f32) * d).to_f32();
-        }
-        Activations {
-            values,
-            scales,
-            sums,
         }
     }
 
@@ -485,10 +503,18 @@ mod tests {
                     .collect();
                 let shape = Shape { rows, cols, batch };
                 let mut plain = vec![0f32; batch * rows];
-                matrix.matmul_with(portable, quantize_block, shape, &input, &mut plain);
+                let mut scratch = Activations::default();
+                matrix.matmul_with(
+                    portable,
+                    quantize_block,
+                    shape,
+                    &input,
+                    &mut plain,
+                    &mut scratch,
+                );
                 for (name, kernel) in vector_kernels() {
                     let mut fast = vec![0f32; batch * rows];
-                    matrix.matmul_with(kernel, quantizer(), shape, &input, &mut fast);
+                    matrix.matmul_with(kernel, quantizer(), shape, &input, &mut fast, &mut scratch);
                     let differ = fast
                         .iter()
                         .zip(&plain)

@@ -17,8 +17,8 @@ pub(crate) mod parallel;
 mod q8_0;
 
 pub(crate) use blocks::QuantBlocks;
-use interleaved::InterleavedQ4;
-use q8_0::InterleavedQ8;
+use interleaved::{Activations, InterleavedQ4};
+use q8_0::{ActivationBlocks, InterleavedQ8};
 
 use std::sync::Arc;
 
@@ -26,6 +26,13 @@ use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
+
+/// The room a product's quantized activations take, kept between products.
+#[derive(Debug, Default)]
+pub(crate) struct ActivationScratch {
+    q4: Activations,
+    q8: ActivationBlocks,
+}
 
 /// A weight matrix `[rows, cols]` kept in its GGUF quantization.
 #[derive(Debug, Clone)]
@@ -71,7 +78,7 @@ impl QuantMatrix {
         }))
     }
 
-    /// The matrix with its weights repacked eight rows to a group where
+    /// The matrix with its weights repacked sixteen rows to a unit where
     /// the format has such kernels (Q4_0 and Q4_1 everywhere, which multiply a
     /// batch's rows 2-3x faster; Q8_0 on CPUs with AVX-512 VNNI). The
     /// repacked copy replaces the blocks, which are dropped: not for a
@@ -162,16 +169,29 @@ impl QuantMatrix {
 
     /// `out[r * rows + o] = dot(weight row o, input row r)` for `batch` rows.
     pub fn matmul(&self, input: &[f32], batch: usize, out: &mut [f32]) -> Result<()> {
+        self.matmul_reusing(input, batch, out, &mut ActivationScratch::default())
+    }
+
+    /// [`Self::matmul`], the input rows quantized into `scratch`: a
+    /// repacked matrix's product allocates nothing once `scratch` has
+    /// held a batch as large.
+    pub fn matmul_reusing(
+        &self,
+        input: &[f32],
+        batch: usize,
+        out: &mut [f32],
+        scratch: &mut ActivationScratch,
+    ) -> Result<()> {
         // The kernels write `out` through a raw pointer: real checks.
         assert_eq!(input.len(), batch * self.cols, "input of the wrong size");
         assert_eq!(out.len(), batch * self.rows, "output of the wrong size");
         match &self.weights {
             Layout::Interleaved(interleaved) => {
-                interleaved.matmul(self.shape(batch), input, out);
+                interleaved.matmul(self.shape(batch), input, out, &mut scratch.q4);
                 Ok(())
             }
             Layout::InterleavedQ8(interleaved) => {
-                interleaved.matmul(self.shape(batch), input, out);
+                interleaved.matmul(self.shape(batch), input, out, &mut scratch.q8);
                 Ok(())
             }
             Layout::Blocks(blocks) => blocks.matmul(self.shape(batch), input, out),

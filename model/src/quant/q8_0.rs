@@ -19,7 +19,7 @@ use half::f16;
 use super::parallel::{self, OutPtr, Shape};
 
 mod interleaved;
-pub(crate) use interleaved::InterleavedQ8;
+pub(crate) use interleaved::{ActivationBlocks, InterleavedQ8};
 
 /// Weight rows a kernel call computes.
 const GROUP: usize = 8;

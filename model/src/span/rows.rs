@@ -12,27 +12,44 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
+use smallvec::SmallVec;
 
+use super::scratch::{write_rows, AttentionScratch, LayerScratch, RowScratch};
 use super::{causal_mask, Attention, BlockSpan, DecoderLayer, ROW_KERNEL_MAX_ROWS};
 use crate::adapter::Target;
 use crate::decode_attention;
 use crate::error::{ModelError, Result};
 use crate::feed_forward::FeedForward;
 use crate::kv_cache::{LayerCache, SessionCache};
+use crate::linear::with_f32_values;
 use crate::lora::{RowLoras, SpanAdapter};
+use crate::quant::ActivationScratch;
 use crate::rope::Rope;
 
 /// One session's rows of a step: positions `start..start + rows.len()`.
-struct Segment {
+#[derive(Debug)]
+pub(super) struct Segment {
     start: usize,
     rows: Range<usize>,
 }
 
 /// Where a step's rows are and the positions they hold.
-struct StepRows {
-    segments: Vec<Segment>,
-    positions: Vec<usize>,
+struct StepRows<'a> {
+    segments: &'a [Segment],
+    positions: &'a [usize],
+}
+
+/// The sessions' caches of one layer.
+struct LayerCaches<'s, 'c> {
+    steps: &'s mut [(Tensor, usize, &'c mut SessionCache)],
+    layer: usize,
+}
+
+impl LayerCaches<'_, '_> {
+    fn of(&self, session: usize) -> &LayerCache {
+        &self.steps[session].2.layers[self.layer]
+    }
 }
 
 impl BlockSpan {
@@ -43,22 +60,41 @@ impl BlockSpan {
         &self,
         steps: &mut [(Tensor, usize, &mut SessionCache)],
     ) -> Result<Vec<Tensor>> {
+        let mut scratch = self.scratch.take();
+        let out = self.forward_rows_in(steps, &mut scratch);
+        self.scratch.put(scratch);
+        out
+    }
+
+    fn forward_rows_in(
+        &self,
+        steps: &mut [(Tensor, usize, &mut SessionCache)],
+        scratch: &mut RowScratch,
+    ) -> Result<Vec<Tensor>> {
         let hidden = self.config.hidden_size;
-        let mut x = Vec::new();
-        let mut segments = Vec::with_capacity(steps.len());
+        let RowScratch {
+            x,
+            segments,
+            positions,
+            layer: room,
+        } = scratch;
+        x.clear();
+        segments.clear();
         for (h, start, _) in steps.iter() {
             let first = x.len() / hidden;
-            x.extend(h.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            with_f32_values(h, |values| x.extend_from_slice(values))?;
             let end = x.len() / hidden;
             segments.push(Segment {
                 start: *start,
                 rows: first..end,
             });
         }
-        let positions = segments
-            .iter()
-            .flat_map(|s| s.start..s.start + s.rows.len())
-            .collect();
+        positions.clear();
+        positions.extend(
+            segments
+                .iter()
+                .flat_map(|s| s.start..s.start + s.rows.len()),
+        );
         let step = StepRows {
             segments,
             positions,
@@ -68,24 +104,28 @@ impl BlockSpan {
         };
         let first_layer = first_cache.first_layer;
         let layers = self.layers_of(first_cache);
-        let adapters: Vec<Option<SpanAdapter>> =
-            steps.iter().map(|(_, _, c)| c.adapter.clone()).collect();
+        let adapters: Option<Vec<Option<SpanAdapter>>> = steps
+            .iter()
+            .any(|(_, _, c)| c.adapter.is_some())
+            .then(|| steps.iter().map(|(_, _, c)| c.adapter.clone()).collect());
         for (l, layer) in layers.iter().enumerate() {
             let chosen: Vec<_> = adapters
                 .iter()
+                .flatten()
                 .map(|a| a.as_ref().and_then(|a| a.layer(first_layer + l)))
                 .collect();
             // As the tensor path: one session's rows through its adapter as
             // one product, a batch's row by row.
             let loras = match chosen.as_slice() {
+                [] => RowLoras::None,
                 [one] => RowLoras::all(*one),
                 _ => RowLoras::per_row(chosen),
             };
-            let mut caches: Vec<&mut LayerCache> = steps
-                .iter_mut()
-                .map(|(_, _, cache)| &mut cache.layers[l])
-                .collect();
-            layer.forward_rows(&mut x, &step, &self.rope, &mut caches, &loras)?;
+            let mut caches = LayerCaches {
+                steps: &mut *steps,
+                layer: l,
+            };
+            layer.forward_rows(x, &step, &self.rope, &mut caches, &loras, room)?;
         }
         for (segment, (_, start, cache)) in step.segments.iter().zip(steps.iter_mut()) {
             cache.len = *start + segment.rows.len();
@@ -110,24 +150,41 @@ impl DecoderLayer {
         x: &mut [f32],
         step: &StepRows,
         rope: &Rope,
-        caches: &mut [&mut LayerCache],
+        caches: &mut LayerCaches,
         loras: &RowLoras,
+        room: &mut LayerScratch,
     ) -> Result<()> {
-        let normed = self.input_layernorm.rows(x);
-        let attended = self
-            .self_attn
-            .forward_rows(&normed, step, rope, caches, loras)?;
-        add_into(x, &attended);
-        let normed = self.post_attention_layernorm.rows(x);
+        let LayerScratch {
+            normed,
+            out,
+            attention,
+            mlp,
+            activations,
+        } = room;
+        self.input_layernorm.rows_into(x, normed);
+        self.self_attn.forward_rows(
+            normed,
+            step,
+            rope,
+            caches,
+            loras,
+            attention,
+            out,
+            activations,
+        )?;
+        add_into(x, out);
+        self.post_attention_layernorm.rows_into(x, normed);
         let rows = step.positions.len();
-        let mlp = match &self.mlp {
-            FeedForward::Dense(mlp) => mlp.forward_rows(&normed, rows, loras)?,
-            experts @ FeedForward::Experts(_) => {
-                let input = Tensor::from_slice(&normed, (rows, x.len() / rows), &Device::Cpu)?;
-                experts.forward(&input, loras)?.flatten_all()?.to_vec1()?
+        match &self.mlp {
+            FeedForward::Dense(dense) => {
+                dense.forward_rows_into(normed, rows, loras, out, mlp, activations)?
             }
-        };
-        add_into(x, &mlp);
+            experts @ FeedForward::Experts(_) => {
+                let input = Tensor::from_slice(normed, (rows, x.len() / rows), &Device::Cpu)?;
+                *out = experts.forward(&input, loras)?.flatten_all()?.to_vec1()?;
+            }
+        }
+        add_into(x, out);
         Ok(())
     }
 }
@@ -140,90 +197,94 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 }
 
 impl Attention {
+    /// The layer's attention of `x` (the normed rows) into `out`.
+    #[allow(clippy::too_many_arguments)]
     fn forward_rows(
         &self,
         x: &[f32],
         step: &StepRows,
         rope: &Rope,
-        caches: &mut [&mut LayerCache],
+        caches: &mut LayerCaches,
         loras: &RowLoras,
-    ) -> Result<Vec<f32>> {
+        room: &mut AttentionScratch,
+        out: &mut Vec<f32>,
+        activations: &mut ActivationScratch,
+    ) -> Result<()> {
         let rows = step.positions.len();
-        let (nh, nkv) = (self.num_heads, self.num_kv_heads);
-        let [q, k, v] = self.qkv.forward_rows(x, rows)?;
-        let q = loras.add_rows(Target::Query, x, rows, q)?;
-        let k = loras.add_rows(Target::Key, x, rows, k)?;
-        let v = loras.add_rows(Target::Value, x, rows, v)?;
-        let (mut q, mut k) = match &self.head_norms {
-            Some(norms) => (norms.query.rows(&q), norms.key.rows(&k)),
-            None => (q, k),
-        };
-        rope.rotate_rows(&mut q, &step.positions, nh)?;
-        rope.rotate_rows(&mut k, &step.positions, nkv)?;
-        for (segment, cache) in step.segments.iter().zip(caches.iter_mut()) {
-            cache
-                .keys
-                .slice_set(&self.heads_first(&k, segment)?, 2, segment.start)?;
-            cache
-                .values
-                .slice_set(&self.heads_first(&v, segment)?, 2, segment.start)?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let AttentionScratch {
+            q,
+            k,
+            v,
+            stacked,
+            normed,
+            attended,
+        } = room;
+        self.qkv
+            .forward_rows_into(x, rows, [&mut *q, &mut *k, &mut *v], stacked, activations)?;
+        *q = loras.add_rows(Target::Query, x, rows, std::mem::take(q))?;
+        *k = loras.add_rows(Target::Key, x, rows, std::mem::take(k))?;
+        *v = loras.add_rows(Target::Value, x, rows, std::mem::take(v))?;
+        if let Some(norms) = &self.head_norms {
+            norms.query.rows_into(q, normed);
+            std::mem::swap(q, normed);
+            norms.key.rows_into(k, normed);
+            std::mem::swap(k, normed);
         }
-        let attended = self.attend_rows(&q, step, caches)?;
-        let y = self.o_proj.forward_rows(&attended, rows)?;
-        loras.add_rows(Target::Output, &attended, rows, y)
-    }
-
-    /// A segment's keys or values (rows of `[kv heads, head_dim]`) as the
-    /// cache holds them: `[1, kv heads, t, head_dim]`.
-    fn heads_first(&self, rows: &[f32], segment: &Segment) -> Result<Tensor> {
-        let (nkv, hd) = (self.num_kv_heads, self.head_dim);
-        let t = segment.rows.len();
-        let mut out = vec![0f32; t * nkv * hd];
-        for (r, row) in segment.rows.clone().enumerate() {
-            for h in 0..nkv {
-                out[(h * t + r) * hd..][..hd].copy_from_slice(&rows[(row * nkv + h) * hd..][..hd]);
-            }
+        rope.rotate_rows(q, step.positions, nh)?;
+        rope.rotate_rows(k, step.positions, nkv)?;
+        for (i, segment) in step.segments.iter().enumerate() {
+            let cache = caches.of(i);
+            let at = segment.rows.start * nkv * hd..segment.rows.end * nkv * hd;
+            write_rows(&cache.keys, &k[at.clone()], nkv, hd, segment.start)?;
+            write_rows(&cache.values, &v[at], nkv, hd, segment.start)?;
         }
-        Ok(Tensor::from_vec(out, (1, nkv, t, hd), &Device::Cpu)?)
+        self.attend_rows(q, step, caches, attended)?;
+        self.o_proj
+            .forward_rows_into(attended, rows, out, activations)?;
+        *out = loras.add_rows(Target::Output, attended, rows, std::mem::take(out))?;
+        Ok(())
     }
 
     /// Each row's attention over its session's cache (written up to the
-    /// step's end): rows of `[heads, head_dim]`. Rows of steps the row
-    /// kernel takes attend together (as [`Attention::attend`] attends
-    /// them); a longer step attends through matrix products.
+    /// step's end) into `out`: rows of `[heads, head_dim]`. Rows of steps
+    /// the row kernel takes attend together (as [`Attention::attend`]
+    /// attends them); a longer step attends through matrix products.
     fn attend_rows(
         &self,
         q: &[f32],
         step: &StepRows,
-        caches: &[&mut LayerCache],
-    ) -> Result<Vec<f32>> {
+        caches: &LayerCaches,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let width = self.num_heads * self.head_dim;
         let short = |s: &Segment| s.rows.len() <= ROW_KERNEL_MAX_ROWS;
         if step.segments.iter().all(short) {
-            let mut keys = Vec::with_capacity(step.positions.len());
-            let mut values = Vec::with_capacity(step.positions.len());
-            for (segment, cache) in step.segments.iter().zip(caches) {
+            let mut keys: SmallVec<[&Tensor; 8]> = SmallVec::new();
+            let mut values: SmallVec<[&Tensor; 8]> = SmallVec::new();
+            for (i, segment) in step.segments.iter().enumerate() {
+                let cache = caches.of(i);
                 keys.extend(segment.rows.clone().map(|_| &cache.keys));
                 values.extend(segment.rows.clone().map(|_| &cache.values));
             }
             let shape = self.head_shape();
-            return decode_attention::attend_rows(q, &keys, &values, &step.positions, shape);
+            return decode_attention::attend_rows(q, &keys, &values, step.positions, shape, out);
         }
-        let [segment] = step.segments.as_slice() else {
+        let [segment] = step.segments else {
             // Batches are of decode steps, one row each.
             return Err(ModelError::BatchMismatch);
         };
-        let cache = &caches[0];
+        let cache = caches.of(0);
         let t = segment.rows.len();
         let (nh, hd) = (self.num_heads, self.head_dim);
         let q = Tensor::from_slice(q, (1, t, nh, hd), &Device::Cpu)?
             .transpose(1, 2)?
             .contiguous()?;
         let mask = causal_mask(t, segment.start, self.window, &Device::Cpu)?;
-        let out = self.attend_cached(&q, segment.start, cache, Some(&mask))?;
-        let out: Vec<f32> = out.flatten_all()?.to_vec1()?;
+        let attended = self.attend_cached(&q, segment.start, cache, Some(&mask))?;
+        *out = attended.flatten_all()?.to_vec1()?;
         debug_assert_eq!(out.len(), t * width);
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -26,6 +26,14 @@ const fn chunk_at(c: usize) -> usize {
     2 * UNIT + CHUNK_BYTES * c
 }
 
+/// Activation rows rounded to Q8_0 blocks, and each block's sum of values:
+/// kept by the caller between products.
+#[derive(Debug, Default)]
+pub(crate) struct ActivationBlocks {
+    blocks: Vec<BlockQ8_0>,
+    sums: Vec<i32>,
+}
+
 /// A Q8_0 matrix `[rows, cols]` in units of sixteen rows (the last unit
 /// padded with zero rows).
 #[derive(Debug, Clone)]
@@ -36,6 +44,7 @@ pub(crate) struct InterleavedQ8 {
 }
 
 /// One activation row's blocks and each block's sum of values.
+#[derive(Clone, Copy)]
 struct ActivationRow<'a> {
     blocks: &'a [u8],
     sums: &'a [i32],
@@ -99,39 +108,54 @@ impl InterleavedQ8 {
         })
     }
 
-    /// `out[r * rows + o] = dot(weight row o, input row r)`.
-    pub fn matmul(&self, shape: Shape, input: &[f32], out: &mut [f32]) {
-        self.matmul_with(kernel(), shape, input, out)
+    /// `out[r * rows + o] = dot(weight row o, input row r)`, the input
+    /// rows rounded into `activations`.
+    pub fn matmul(
+        &self,
+        shape: Shape,
+        input: &[f32],
+        out: &mut [f32],
+        activations: &mut ActivationBlocks,
+    ) {
+        self.matmul_with(kernel(), shape, input, out, activations)
     }
 
-    fn matmul_with(&self, kernel: UnitKernel, shape: Shape, input: &[f32], out: &mut [f32]) {
+    fn matmul_with(
+        &self,
+        kernel: UnitKernel,
+        shape: Shape,
+        input: &[f32],
+        out: &mut [f32],
+        activations: &mut ActivationBlocks,
+    ) {
         let Shape { rows, cols, batch } = shape;
         debug_assert_eq!((rows, cols), (self.rows, self.cols));
         let per_row = cols / BLOCK;
+        let ActivationBlocks { blocks, sums } = activations;
         // Rounded as the row kernel rounds them (candle's Q8_0).
-        let mut blocks = vec![BlockQ8_0::zeros(); batch * per_row];
+        blocks.resize(batch * per_row, BlockQ8_0::zeros());
         for (row, blocks) in input
             .chunks_exact(cols)
             .zip(blocks.chunks_exact_mut(per_row))
         {
             BlockQ8_0::from_float(row, blocks);
         }
-        let block_bytes = bytes_of(&blocks);
-        let sums: Vec<i32> = block_bytes
-            .chunks_exact(BLOCK_BYTES)
-            .map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum())
-            .collect();
-        let activations: Vec<ActivationRow> = (0..batch)
-            .map(|r| ActivationRow {
-                blocks: &block_bytes[r * per_row * BLOCK_BYTES..(r + 1) * per_row * BLOCK_BYTES],
-                sums: &sums[r * per_row..(r + 1) * per_row],
-            })
-            .collect();
+        let block_bytes = bytes_of(blocks);
+        sums.clear();
+        sums.extend(
+            block_bytes
+                .chunks_exact(BLOCK_BYTES)
+                .map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum::<i32>()),
+        );
+        let sums = &*sums;
         run_units(
             &self.bytes,
             per_row * UNIT_BLOCK_BYTES,
             shape,
-            &activations,
+            |r| ActivationRow {
+                blocks: &block_bytes[r * per_row * BLOCK_BYTES..(r + 1) * per_row * BLOCK_BYTES],
+                sums: &sums[r * per_row..(r + 1) * per_row],
+            },
             |weights, xs, sums| kernel(per_row, weights, xs, sums),
             out,
         );
@@ -288,6 +312,7 @@ mod tests {
         if avx512::available() {
             kernels.push(("avx512", avx512::unit));
         }
+        let mut scratch = ActivationBlocks::default();
         for batch in [1, 3, 4, 6] {
             let (_, input) = super::super::test_matrix(rows, cols, batch);
             let shape = Shape { rows, cols, batch };
@@ -295,7 +320,7 @@ mod tests {
             super::super::matmul_rows(&blocks, shape, &input, &mut by_rows);
             for (name, kernel) in &kernels {
                 let mut repacked = vec![0f32; batch * rows];
-                packed.matmul_with(*kernel, shape, &input, &mut repacked);
+                packed.matmul_with(*kernel, shape, &input, &mut repacked, &mut scratch);
                 let differ = repacked
                     .iter()
                     .zip(&by_rows)
