@@ -78,12 +78,14 @@ impl InputHistory {
         let width = values.len() / rows.max(1);
         self.rows.truncate(start);
         self.pages.truncate(start / PAGE_POSITIONS);
+        // Each row's values as little-endian bytes, hashed in one update
+        // (an update per value cost more than the hash itself, on the
+        // path of every decode step).
+        let mut bytes = Vec::with_capacity(4 * width);
         for row in values.chunks(width.max(1)) {
-            let mut h = Sha256::new();
-            for v in row {
-                h.update(v.to_bits().to_le_bytes());
-            }
-            self.rows.push(h.finalize().into());
+            bytes.clear();
+            bytes.extend(row.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+            self.rows.push(Sha256::digest(&bytes).into());
         }
         while (self.pages.len() + 1) * PAGE_POSITIONS <= self.rows.len() {
             let page = self.pages.len();
