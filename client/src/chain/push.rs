@@ -66,7 +66,7 @@ impl RemoteChain {
             .unwrap_or(1);
         let mut first = 0;
         let mut pending: Option<SessionError> = None;
-        let (replies, stop) = self
+        let (replies, verdicts, stop) = self
             .forward_pushed(start as u32, step_id, payload, reach)
             .await;
         let answered = replies.len();
@@ -75,14 +75,14 @@ impl RemoteChain {
         }
         // A receiver whose proof did not hold, found while judging its sender.
         let mut lying_receiver: Option<SessionError> = None;
-        let mut replies = replies.into_iter().peekable();
-        while let Some(reply) = replies.next() {
+        let mut verdicts = verdicts.into_iter();
+        for reply in replies {
             if let Some(e) = lying_receiver.take() {
                 pending = Some(e);
                 break;
             }
-            if let Some(next) = replies.peek() {
-                match self.judge_push(first, start as u32, step_id, &reply, next) {
+            if let Some(verdict) = verdicts.next() {
+                match verdict {
                     PushVerdict::Consistent => {}
                     PushVerdict::SenderLied => {
                         let peer = self.hops[first].sessions[0].1.peer();
@@ -165,15 +165,17 @@ impl RemoteChain {
 
     /// Sends one step through the first `reach` hops by push and reads
     /// every hop's reply from its session as it comes. Returns the replies
-    /// of the hops that answered, in order, and where it stopped short of
-    /// the route's end, if it did.
+    /// of the hops that answered, in order, the verdict on each push
+    /// between two of them (judged as soon as the second came, while the
+    /// next server computes), and where it stopped short of the route's
+    /// end, if it did.
     async fn forward_pushed(
         &mut self,
         start: u32,
         step_id: u32,
         input: &TensorPayload,
         reach: usize,
-    ) -> (Vec<StepReply>, Option<PushStop>) {
+    ) -> (Vec<StepReply>, Vec<PushVerdict>, Option<PushStop>) {
         let push = self.hops[1..reach]
             .iter()
             .map(|h| PushTarget {
@@ -190,10 +192,11 @@ impl RemoteChain {
             push,
         };
         let decode = input.shape.get(1) == Some(&1);
-        let mut replies = Vec::with_capacity(reach);
+        let mut replies: Vec<StepReply> = Vec::with_capacity(reach);
+        let mut verdicts = Vec::with_capacity(reach);
         let mut last = Instant::now();
         if let Err(e) = self.hops[0].sessions[0].1.send_step(&header, input).await {
-            return (replies, Some(PushStop::Failed(0, e)));
+            return (replies, verdicts, Some(PushStop::Failed(0, e)));
         }
         for index in 0..reach {
             let (hop, session) = &mut self.hops[index].sessions[0];
@@ -210,15 +213,19 @@ impl RemoteChain {
                         last = Instant::now();
                     }
                     let pushed = reply.pushed;
+                    if let Some(before) = replies.last() {
+                        verdicts.push(self.judge_push(index - 1, start, step_id, before, &reply));
+                    }
                     replies.push(reply);
                     if index + 1 < reach && !pushed {
-                        return (replies, Some(PushStop::NotPushed(index + 1)));
+                        let stop = PushStop::NotPushed(index + 1);
+                        return (replies, verdicts, Some(stop));
                     }
                 }
-                Err(e) => return (replies, Some(PushStop::Failed(index, e))),
+                Err(e) => return (replies, verdicts, Some(PushStop::Failed(index, e))),
             }
         }
         let stop = (reach < self.hops.len()).then_some(PushStop::NotPushed(reach));
-        (replies, stop)
+        (replies, verdicts, stop)
     }
 }
