@@ -58,6 +58,7 @@ pub(crate) const MAX_ACTIVATIONS: usize = 4;
 /// at every 4 KiB page; asking 3-8 KiB ahead made a decode step of the
 /// default model ~8 % faster on 2 cores (640 bytes ahead: ~3 %, 12 KiB:
 /// ~5 %).
+#[cfg(target_arch = "x86_64")]
 pub(crate) const PREFETCH_AHEAD: usize = 4096;
 
 /// Asks for the cache lines of the `len` bytes [`PREFETCH_AHEAD`] after
