@@ -30,10 +30,11 @@ use crate::error::{ModelError, Result};
 
 /// Weight rows per group: the f32 lanes of a 256-bit register.
 pub(crate) const GROUP: usize = 8;
-/// Groups per unit: what a kernel call takes (AVX-512 holds both in a register).
-pub(crate) const MAX_GROUPS: usize = 2;
+/// Groups per unit, the weight rows a kernel call takes (AVX-512 holds both
+/// in a register).
+pub(crate) const GROUPS_PER_UNIT: usize = 2;
 /// Weight rows per unit.
-pub(crate) const UNIT: usize = MAX_GROUPS * GROUP;
+pub(crate) const UNIT: usize = GROUPS_PER_UNIT * GROUP;
 /// Values per block.
 pub(crate) const BLOCK: usize = 32;
 /// One block of a unit: sixteen `d`s, sixteen `m`s (f16; zero for Q4_0),
@@ -120,7 +121,7 @@ pub(crate) struct ActivationRow<'a> {
 
 /// Multiplies one unit of weight rows (`per_row` blocks of
 /// [`UNIT_BLOCK_BYTES`]) by up to [`MAX_ACTIVATIONS`] activation rows:
-/// `out[r * MAX_GROUPS + i][j]` is weight row `j` of the unit's group `i`
+/// `out[r * GROUPS_PER_UNIT + i][j]` is weight row `j` of the unit's group `i`
 /// times row `r`.
 type UnitKernel = fn(
     format: Nibbles,
@@ -212,8 +213,8 @@ impl InterleavedQ4 {
 /// Multiplies a matrix repacked [`UNIT`] rows to a unit (`unit_bytes` a
 /// unit in `bytes`, the last one padded) by the activation rows
 /// (`activation(r)` for each input row `r`): `kernel` takes one unit and up
-/// to [`MAX_ACTIVATIONS`] rows a call,
-/// as [`UnitKernel`] does, and the units are split over the pool. Writes
+/// to [`MAX_ACTIVATIONS`] rows a call, as [`UnitKernel`] does, and the
+/// units are split over the pool. Writes
 /// `out[r * rows + o]`; the last unit's padding rows are dropped.
 pub(crate) fn run_units<A: Copy + Sync>(
     bytes: &[u8],
@@ -232,7 +233,7 @@ pub(crate) fn run_units<A: Copy + Sync>(
     }
     let out_ptr = OutPtr(out.as_mut_ptr());
     let run = |range: std::ops::Range<usize>| {
-        let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS * MAX_GROUPS];
+        let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS * GROUPS_PER_UNIT];
         for u in range {
             let weights = &bytes[u * unit_bytes..(u + 1) * unit_bytes];
             for tile in 0..batch.div_ceil(MAX_ACTIVATIONS) {
@@ -241,11 +242,11 @@ pub(crate) fn run_units<A: Copy + Sync>(
                 let xs: [A; MAX_ACTIVATIONS] =
                     std::array::from_fn(|k| activation(first + k.min(n - 1)));
                 let xs = &xs[..n];
-                let sums = &mut sums[..n * MAX_GROUPS];
+                let sums = &mut sums[..n * GROUPS_PER_UNIT];
                 kernel(weights, xs, sums);
                 for (k, lanes) in sums.iter().enumerate() {
-                    let r = tile * MAX_ACTIVATIONS + k / MAX_GROUPS;
-                    let first = u * UNIT + (k % MAX_GROUPS) * GROUP;
+                    let r = tile * MAX_ACTIVATIONS + k / GROUPS_PER_UNIT;
+                    let first = u * UNIT + (k % GROUPS_PER_UNIT) * GROUP;
                     let valid = GROUP.min(rows.saturating_sub(first));
                     for (j, &value) in lanes[..valid].iter().enumerate() {
                         // SAFETY: each (r, o) is written by exactly one
@@ -373,10 +374,10 @@ fn group_by_group(
     out: &mut [[f32; GROUP]],
 ) {
     let mut sums = [[0f32; GROUP]; MAX_ACTIVATIONS];
-    for group in 0..MAX_GROUPS {
+    for group in 0..GROUPS_PER_UNIT {
         one(format, per_row, unit, group, xs, &mut sums[..xs.len()]);
         for (r, lanes) in sums[..xs.len()].iter().enumerate() {
-            out[r * MAX_GROUPS + group] = *lanes;
+            out[r * GROUPS_PER_UNIT + group] = *lanes;
         }
     }
 }

@@ -40,9 +40,10 @@ struct StepRows<'a> {
     positions: &'a [usize],
 }
 
-/// The sessions' caches of one layer.
+/// The sessions' caches of one layer (written in place, through the
+/// tensors' own locks).
 struct LayerCaches<'s, 'c> {
-    steps: &'s mut [(Tensor, usize, &'c mut SessionCache)],
+    steps: &'s [(Tensor, usize, &'c mut SessionCache)],
     layer: usize,
 }
 
@@ -121,11 +122,8 @@ impl BlockSpan {
                 [one] => RowLoras::all(*one),
                 _ => RowLoras::per_row(chosen),
             };
-            let mut caches = LayerCaches {
-                steps: &mut *steps,
-                layer: l,
-            };
-            layer.forward_rows(x, &step, &self.rope, &mut caches, &loras, room)?;
+            let caches = LayerCaches { steps, layer: l };
+            layer.forward_rows(x, &step, &self.rope, &caches, &loras, room)?;
         }
         for (segment, (_, start, cache)) in step.segments.iter().zip(steps.iter_mut()) {
             cache.len = *start + segment.rows.len();
@@ -150,7 +148,7 @@ impl DecoderLayer {
         x: &mut [f32],
         step: &StepRows,
         rope: &Rope,
-        caches: &mut LayerCaches,
+        caches: &LayerCaches,
         loras: &RowLoras,
         room: &mut LayerScratch,
     ) -> Result<()> {
@@ -204,7 +202,7 @@ impl Attention {
         x: &[f32],
         step: &StepRows,
         rope: &Rope,
-        caches: &mut LayerCaches,
+        caches: &LayerCaches,
         loras: &RowLoras,
         room: &mut AttentionScratch,
         out: &mut Vec<f32>,

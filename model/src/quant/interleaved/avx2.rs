@@ -1,8 +1,8 @@
 //! The interleaved Q4_1 kernel in AVX2, a group (half a unit) at a time:
-//! per block, four 32-byte loads give the nibbles of eight rows; each activation's four bytes are broadcast
-//! and multiplied against them (`maddubs`), the eight products summed in
-//! 16 bits (at most 8 × 2 × 15 × 128 = 30720: no overflow), then widened
-//! once per block.
+//! per block, four 32-byte loads give the nibbles of eight rows; each
+//! activation's four bytes are broadcast and multiplied against them
+//! (`maddubs`), the eight products summed in 16 bits (at most
+//! 8 × 2 × 15 × 128 = 30720: no overflow), then widened once per block.
 
 use std::arch::x86_64::*;
 
@@ -26,7 +26,7 @@ pub fn group(
     out: &mut [[f32; GROUP]],
 ) {
     assert!(unit.len() >= per_row * UNIT_BLOCK_BYTES, "a short unit");
-    assert!(group < super::MAX_GROUPS && out.len() >= xs.len());
+    assert!(group < super::GROUPS_PER_UNIT && out.len() >= xs.len());
     let w = unit.as_ptr();
     let rows = rows_of(per_row, xs);
     let rows = &rows[..xs.len()];

@@ -10,7 +10,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
 
-use super::super::interleaved::{run_units, GROUP, MAX_GROUPS, UNIT};
+use super::super::interleaved::{run_units, GROUP, GROUPS_PER_UNIT, UNIT};
 use super::super::parallel::Shape;
 use super::{bytes_of, scale_of, BLOCK, BLOCK_BYTES};
 use crate::error::{ModelError, Result};
@@ -51,7 +51,7 @@ struct ActivationRow<'a> {
 }
 
 /// Multiplies one unit by up to `MAX_ACTIVATIONS` activation rows:
-/// `out[r * MAX_GROUPS + i][j]` is weight row `j` of the unit's group `i`
+/// `out[r * GROUPS_PER_UNIT + i][j]` is weight row `j` of the unit's group `i`
 /// times row `r`.
 type UnitKernel = fn(per_row: usize, unit: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]);
 
@@ -172,9 +172,9 @@ fn kernel() -> UnitKernel {
 
 /// The kernels' arithmetic in plain Rust (the tests' reference).
 fn portable(per_row: usize, unit: &[u8], xs: &[ActivationRow], out: &mut [[f32; GROUP]]) {
-    for group in 0..MAX_GROUPS {
+    for group in 0..GROUPS_PER_UNIT {
         for (r, x) in xs.iter().enumerate() {
-            let out = &mut out[r * MAX_GROUPS + group];
+            let out = &mut out[r * GROUPS_PER_UNIT + group];
             *out = [0.0; GROUP];
             for b in 0..per_row {
                 let block = &unit[b * UNIT_BLOCK_BYTES..][..UNIT_BLOCK_BYTES];
