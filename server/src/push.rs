@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use corolla_shared::framing::write_frame;
 use corolla_shared::protocol::{PushStep, PushTarget, SessionToken, StepHeader, PUSH_PROTOCOL};
-use corolla_shared::push_proof::{view_digest, PushProof, PushedStep};
+use corolla_shared::push_proof::{view_digest, PushProof, PushSender, PushedStep};
 use corolla_shared::TensorPayload;
 use libp2p::identity::Keypair;
 use libp2p::{PeerId, Stream};
@@ -190,7 +190,7 @@ pub(crate) fn check_route(this_server: PeerId, route: &[PushTarget]) -> Result<(
 /// Whether `push` carries its sender's signature over exactly what it
 /// carries: the session returns the proof to its client, which blames the
 /// session's server for one that does not hold.
-pub(crate) fn check_proof(sender: &PeerId, push: &PushStep<'_>) -> Result<(), String> {
+pub(crate) fn check_proof(sender: &PushSender, push: &PushStep<'_>) -> Result<(), String> {
     let step = PushedStep {
         token: push.token,
         step_id: push.header.step_id,
@@ -225,7 +225,7 @@ mod tests {
     #[test]
     fn a_push_gets_in_only_with_its_senders_proof_of_what_it_carries() {
         let sender = Keypair::generate_ed25519();
-        let sender_id = sender.public().to_peer_id();
+        let sender_id = PushSender::new(sender.public().to_peer_id());
         let header = StepHeader {
             start_position: 4,
             step_id: 9,
@@ -255,7 +255,7 @@ mod tests {
         // Signed by someone else than the peer it came from.
         let frame = PushStep::encode(token, &header, &proof, &honest);
         let push = PushStep::decode(&frame, &Limits::DEFAULT).unwrap();
-        let stranger = Keypair::generate_ed25519().public().to_peer_id();
+        let stranger = PushSender::new(Keypair::generate_ed25519().public().to_peer_id());
         assert!(check_proof(&stranger, &push)
             .unwrap_err()
             .contains("does not hold"));

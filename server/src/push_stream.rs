@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use corolla_shared::framing::{write_frame, FrameReader};
 use corolla_shared::protocol::{ErrorCode, PushStep, Response, PUSH_PROTOCOL};
+use corolla_shared::push_proof::PushSender;
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::{PeerId, Stream};
 use tokio::task::JoinHandle;
@@ -59,6 +60,7 @@ async fn serve_pushes(mut stream: Stream, peer: PeerId, settings: Arc<HostSettin
     let mut reader = FrameReader::new(limits.max_frame_bytes());
     let mut refused_in_a_row = 0;
     let mut wait = FIRST_FRAME_WITHIN.min(settings.idle_timeout);
+    let sender = PushSender::new(peer);
     loop {
         let read = tokio::select! {
             read = tokio::time::timeout(wait, reader.next_frame(&mut stream)) => read,
@@ -77,7 +79,7 @@ async fn serve_pushes(mut stream: Stream, peer: PeerId, settings: Arc<HostSettin
         };
         let refusal = match PushStep::decode(frame, limits) {
             Err(e) => Some((ErrorCode::BadFrame, format!("malformed push: {e}"))),
-            Ok(push) => match check_proof(&peer, &push) {
+            Ok(push) => match check_proof(&sender, &push) {
                 Err(why) => Some((ErrorCode::BadFrame, why)),
                 Ok(()) => {
                     let pushed = Pushed {

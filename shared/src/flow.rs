@@ -17,7 +17,7 @@ use std::io;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::framing::FrameReader;
+use crate::framing::{length_prefixed, FrameReader};
 use crate::limits::Limits;
 use crate::protocol::{Request, MAX_MESSAGE_LEN};
 
@@ -43,16 +43,6 @@ async fn write_pieces<W: AsyncWrite + Unpin>(
         io.flush().await?;
     }
     Ok(())
-}
-
-/// `payload` behind its `u32` little-endian length, as one buffer.
-fn length_prefixed(payload: &[u8]) -> io::Result<Vec<u8>> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame larger than 4 GiB"))?;
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&len.to_le_bytes());
-    frame.extend_from_slice(payload);
-    Ok(frame)
 }
 
 /// Writes one length-prefixed frame in flushed pieces of at most [`MAX_PIECE`]

@@ -163,12 +163,34 @@ impl FrameReader {
     }
 }
 
+/// Frames up to this size leave in one write, their length copied in front:
+/// over yamux each write is a frame of its own (a message to the connection
+/// task, a noise message, a wake-up of the reader), which a decode step's
+/// few KiB paid twice on every hop.
+const ONE_WRITE_UP_TO: usize = 1 << 20;
+
+/// `payload` with its `u32` little-endian length in front.
+pub(crate) fn length_prefixed(payload: &[u8]) -> io::Result<Vec<u8>> {
+    let len = frame_len(payload)?;
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(payload);
+    Ok(frame)
+}
+
+fn frame_len(payload: &[u8]) -> io::Result<u32> {
+    u32::try_from(payload.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame larger than 4 GiB"))
+}
+
 /// Writes one frame and flushes it.
 pub async fn write_frame<W: AsyncWrite + Unpin>(io: &mut W, payload: &[u8]) -> io::Result<()> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame larger than 4 GiB"))?;
-    io.write_all(&len.to_le_bytes()).await?;
-    io.write_all(payload).await?;
+    if payload.len() <= ONE_WRITE_UP_TO {
+        io.write_all(&length_prefixed(payload)?).await?;
+    } else {
+        io.write_all(&frame_len(payload)?.to_le_bytes()).await?;
+        io.write_all(payload).await?;
+    }
     io.flush().await
 }
 

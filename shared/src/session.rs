@@ -13,7 +13,7 @@ use crate::protocol::{
     encode_step_with, ErrorCode, OpenRequest, ProtocolError, Request, Response, SessionToken,
     StepHeader, INFERENCE_PROTOCOL, INFO_PROTOCOL,
 };
-use crate::push_proof::{view_digest, PayloadDigest, PushProof};
+use crate::push_proof::{view_digest, PayloadDigest, PushProof, PushSender};
 use crate::record::{ServerRecord, MAX_RECORD_BYTES};
 use crate::tensor::{Compression, TensorPayload};
 use crate::time::with_timeout;
@@ -100,6 +100,8 @@ pub struct RemoteSession {
     compression: Compression,
     /// The one server this session may push to, named at Open.
     next: Option<PeerId>,
+    /// This server as the sender of the pushes its proofs speak for.
+    as_sender: PushSender,
 }
 
 /// A step's output as the server answered it.
@@ -181,6 +183,7 @@ impl RemoteSession {
             step_id: 0,
             compression,
             next,
+            as_sender: PushSender::new(peer),
         };
         let frame = Request::Open(request).encode();
         let token = match session.exchange(&frame, timeout).await? {
@@ -209,6 +212,11 @@ impl RemoteSession {
 
     pub fn peer(&self) -> PeerId {
         self.peer
+    }
+
+    /// This session's server as the sender of pushes (its key decoded once).
+    pub fn as_push_sender(&self) -> &PushSender {
+        &self.as_sender
     }
 
     /// The server this session may push to, as its Open named it.

@@ -157,7 +157,12 @@ impl RemoteChain {
             start_position: start,
         };
         match &reply.digest {
-            Some(returned) => judge(next.input_proof.as_ref(), &sender.peer(), &step, returned),
+            Some(returned) => judge(
+                next.input_proof.as_ref(),
+                sender.as_push_sender(),
+                &step,
+                returned,
+            ),
             // Only a pushed output is followed by another reply.
             None => PushVerdict::ReceiverLied("an output came for a step nobody pushed".into()),
         }

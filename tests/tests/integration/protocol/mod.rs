@@ -14,7 +14,7 @@ use corolla_shared::protocol::{
     encode_step, encode_step_with, ErrorCode, OpenRequest, PushStep, PushTarget, Request, Response,
     SessionToken, StepHeader, INFERENCE_PROTOCOL, PUSH_PROTOCOL,
 };
-use corolla_shared::push_proof::{view_digest, PushProof, PushedStep};
+use corolla_shared::push_proof::{view_digest, PushProof, PushSender, PushedStep};
 use corolla_shared::reach::ReachSettings;
 use corolla_shared::{Limits, TensorPayload, WireDType};
 use corolla_tests::{start_server, tiny_llama, Golden};

@@ -216,7 +216,9 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
         step_id: 12,
         start_position: 2,
     };
-    got.proof.verify(&peer, &pushed_step).unwrap();
+    got.proof
+        .verify(&PushSender::new(peer), &pushed_step)
+        .unwrap();
     assert_eq!(got.proof.digest, view_digest(&got.hidden));
     match next_response(&mut session).await {
         Response::StepOut {
