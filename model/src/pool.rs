@@ -93,6 +93,15 @@ impl ComputePool {
         with_gang()
     }
 
+    /// Wakes the gang to spin for a forward about to be posted (see
+    /// [`gang::Gang::expect_work`]).
+    pub fn expect_work(&self) {
+        #[cfg(not(target_arch = "wasm32"))]
+        if let Some(gang) = &self.gang {
+            gang.expect_work();
+        }
+    }
+
     /// A page has one thread (and values that are not `Send`).
     #[cfg(target_arch = "wasm32")]
     pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {

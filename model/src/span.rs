@@ -506,6 +506,13 @@ impl BlockSpan {
         &self.layers[first..first + cache.layers.len()]
     }
 
+    /// Says that a forward is about to start on another thread (a server's
+    /// compute thread, woken for a step): the span's compute threads wake
+    /// now, alongside it, rather than at its first product.
+    pub fn expect_work(&self) {
+        self.pool.expect_work();
+    }
+
     /// Runs `hidden` (`[1, T, hidden]`, positions `start..start+T`) through
     /// the span. `start` may rewind into the cache (the positions from
     /// `start` on are recomputed and overwritten) but may not skip ahead.

@@ -222,6 +222,7 @@ impl ComputeCore {
         Ok(CacheLease {
             id,
             jobs: self.jobs.clone(),
+            span: self.span.clone(),
         })
     }
 }
@@ -230,6 +231,7 @@ impl ComputeCore {
 pub(crate) struct CacheLease {
     id: SessionId,
     jobs: mpsc::Sender<Job>,
+    span: Arc<BlockSpan>,
 }
 
 impl CacheLease {
@@ -245,6 +247,8 @@ impl CacheLease {
         self.jobs
             .send(Job::Step(job))
             .map_err(|_| ComputeError::Lost("the compute core has stopped"))?;
+        // The core's thread wakes for this step; its gang wakes with it.
+        self.span.expect_work();
         answer
             .await
             .map_err(|_| ComputeError::Lost("the compute core has stopped"))?
