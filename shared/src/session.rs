@@ -83,7 +83,9 @@ impl SessionError {
 }
 
 pub struct RemoteSession {
-    peer: PeerId,
+    /// The server: its peer id, and its key as the sender of the pushes its
+    /// proofs speak for (decoded once).
+    server: PushSender,
     stream: libp2p::Stream,
     buf: Vec<u8>,
     limits: Limits,
@@ -100,8 +102,6 @@ pub struct RemoteSession {
     compression: Compression,
     /// The one server this session may push to, named at Open.
     next: Option<PeerId>,
-    /// This server as the sender of the pushes its proofs speak for.
-    as_sender: PushSender,
 }
 
 /// A step's output as the server answered it.
@@ -168,7 +168,7 @@ impl RemoteSession {
         let compression = request.compression;
         let next = request.next;
         let mut session = RemoteSession {
-            peer,
+            server: PushSender::new(peer),
             stream,
             buf: Vec::new(),
             // Until the first step: an answer to Open is a few bytes.
@@ -183,7 +183,6 @@ impl RemoteSession {
             step_id: 0,
             compression,
             next,
-            as_sender: PushSender::new(peer),
         };
         let frame = Request::Open(request).encode();
         let token = match session.exchange(&frame, timeout).await? {
@@ -211,12 +210,12 @@ impl RemoteSession {
     }
 
     pub fn peer(&self) -> PeerId {
-        self.peer
+        self.server.peer()
     }
 
     /// This session's server as the sender of pushes (its key decoded once).
     pub fn as_push_sender(&self) -> &PushSender {
-        &self.as_sender
+        &self.server
     }
 
     /// The server this session may push to, as its Open named it.
@@ -263,7 +262,7 @@ impl RemoteSession {
         hidden: &TensorPayload,
     ) -> Result<(), SessionError> {
         let frame = encode_step_with(header, &hidden.compressed(self.compression));
-        let peer = self.peer;
+        let peer = self.peer();
         let timeout = self.step_deadline(hidden);
         self.step_id = header.step_id;
         let io = |source| SessionError::Io { peer, source };
@@ -293,7 +292,7 @@ impl RemoteSession {
             max_tensor_bytes: input.data.len() as u64,
             ..Limits::DEFAULT
         };
-        let peer = self.peer;
+        let peer = self.peer();
         let bad = |message: String| SessionError::BadOutput { peer, message };
         for _ in 0..=MAX_STALE_ANSWERS {
             let reply = match self.read_response(timeout).await? {
@@ -351,7 +350,7 @@ impl RemoteSession {
         frame: &[u8],
         timeout: Duration,
     ) -> Result<Response<'_>, SessionError> {
-        let peer = self.peer;
+        let peer = self.peer();
         let io = |source| SessionError::Io { peer, source };
         with_timeout(timeout, async {
             match self.flow {
@@ -366,7 +365,7 @@ impl RemoteSession {
     }
 
     async fn read_response(&mut self, timeout: Duration) -> Result<Response<'_>, SessionError> {
-        let peer = self.peer;
+        let peer = self.peer();
         let io = |source| SessionError::Io { peer, source };
         let max = self.limits.max_frame_bytes();
         let got = with_timeout(timeout, async {

@@ -214,8 +214,8 @@ impl InterleavedQ4 {
 /// unit in `bytes`, the last one padded) by the activation rows
 /// (`activation(r)` for each input row `r`): `kernel` takes one unit and up
 /// to [`MAX_ACTIVATIONS`] rows a call, as [`UnitKernel`] does, and the
-/// units are split over the pool. Writes
-/// `out[r * rows + o]`; the last unit's padding rows are dropped.
+/// units are split over the pool. Writes `out[r * rows + o]`; the last
+/// unit's padding rows are dropped.
 pub(crate) fn run_units<A: Copy + Sync>(
     bytes: &[u8],
     unit_bytes: usize,
