@@ -54,6 +54,59 @@ pub async fn read_reply(stream: &mut Stream, timeout: Duration) -> Reply {
     })
 }
 
+/// What a server did with a stream on which bytes were sent.
+#[derive(Debug)]
+pub enum Door {
+    /// No word within the patience: the server holds the stream (waiting
+    /// for the rest of a frame, say).
+    Held(Stream),
+    /// The server answered: a refusal, usually.
+    Answered(Option<ErrorCode>, String),
+    /// Reset without a word. libp2p-stream hands a server one inbound
+    /// stream at a time and drops those that arrive while its acceptor has
+    /// not yet taken the one before (a burst on loaded cores); an honest
+    /// client opens such a stream again, as [`knock_until_heard`] does.
+    Dropped,
+}
+
+/// Opens a stream to `peer`, sends `bytes`, and waits up to `patience`
+/// for the server's word.
+pub async fn knock(node: &NodeHandle, peer: PeerId, bytes: &[u8], patience: Duration) -> Door {
+    use futures::AsyncWriteExt;
+    let mut stream = open_stream(node, peer).await;
+    if stream.write_all(bytes).await.is_err() || stream.flush().await.is_err() {
+        return Door::Dropped;
+    }
+    let mut buf = Vec::new();
+    let read = read_frame(&mut stream, Limits::DEFAULT.max_frame_bytes(), &mut buf);
+    match tokio::time::timeout(patience, read).await {
+        Err(_) => Door::Held(stream),
+        Ok(Ok(true)) => match Response::decode(&buf, &Limits::DEFAULT) {
+            Ok(Response::Error { code, message }) => Door::Answered(Some(code), message),
+            Ok(other) => Door::Answered(None, format!("{other:?}")),
+            Err(e) => Door::Answered(None, format!("an undecodable answer: {e}")),
+        },
+        Ok(_) => Door::Dropped,
+    }
+}
+
+/// [`knock`] again while the stream is dropped (at most 10 times, as
+/// bursts pass within milliseconds); `Dropped` only when every try was.
+pub async fn knock_until_heard(
+    node: &NodeHandle,
+    peer: PeerId,
+    bytes: &[u8],
+    patience: Duration,
+) -> Door {
+    for _ in 0..10 {
+        match knock(node, peer, bytes, patience).await {
+            Door::Dropped => tokio::time::sleep(Duration::from_millis(50)).await,
+            door => return door,
+        }
+    }
+    Door::Dropped
+}
+
 /// Sends `frame` and reads the reply.
 pub async fn exchange(stream: &mut Stream, frame: &[u8]) -> Reply {
     write_frame(stream, frame).await.ok()?;
