@@ -1,7 +1,9 @@
 // llama.cpp's decode speed on a GGUF, for corolla-bench's compute section.
 // Usage: node decode.mjs MODEL.gguf THREADS NEW_TOKENS PROMPT_IDS(comma-separated)
 // Prints one JSON line: the prompt's prefill time, decode tokens/s (after the
-// first new token) and the greedy tokens.
+// first new token), the greedy tokens, and which of ggml's CPU builds the
+// machine got (it loads the best its vector extensions allow).
+import { readFileSync } from "node:fs";
 import { getLlama } from "node-llama-cpp";
 
 const [modelPath, threadsArg, newTokensArg, promptArg] = process.argv.slice(2);
@@ -21,6 +23,7 @@ const context = await model.createContext({
     batchSize: 512,
 });
 const sequence = context.getSequence();
+const cpuVariant = loadedCpuVariant();
 const start = performance.now();
 let firstAt = 0;
 const tokens = [];
@@ -34,6 +37,18 @@ console.log(JSON.stringify({
     prefill_ms: firstAt - start,
     decode_tokens_per_s: (tokens.length - 1) / ((end - firstAt) / 1000),
     tokens,
+    cpu_variant: cpuVariant,
 }));
 await context.dispose();
 await model.dispose();
+
+// "zen4" for libggml-cpu-zen4.so, from the process's own mappings (Linux).
+function loadedCpuVariant() {
+    try {
+        const maps = readFileSync("/proc/self/maps", "utf8");
+        const found = maps.match(/libggml-cpu-([\w.-]+?)\.so/);
+        return found ? found[1] : null;
+    } catch {
+        return null;
+    }
+}
