@@ -109,40 +109,77 @@ pub(crate) fn attend_rows(
     out.resize(b * heads * head_dim, 0.0);
     let out_ptr = OutPtr(out.as_mut_ptr());
     let capacity = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
+    // Work units: a KV head with the query heads that share it, for a few
+    // consecutive rows of one cache (a prompt's positions).
+    let rows_at_once = (QUERIES_AT_ONCE / group).max(1);
+    let mut tiles: SmallVec<[(usize, usize); INLINE_SESSIONS]> = SmallVec::new();
+    let mut row = 0;
+    while row < b {
+        let mut end = row + 1;
+        while end < b && end - row < rows_at_once && which[end] == which[row] {
+            end += 1;
+        }
+        tiles.push((row, end));
+        row = end;
+    }
+    let most_queries = rows_at_once * group;
     let attend_units = |units: std::ops::Range<usize>, scores: &mut Vec<f32>| {
         // Room for every position a cache may come to hold, once: a
         // thread's scores then never grow step after step.
-        scores.reserve(capacity);
+        scores.reserve(most_queries * capacity);
         for unit in units {
-            let (i, h) = (unit / heads, unit % heads);
-            let cache = &caches[i];
-            let base = (h / group) * cache.capacity * head_dim;
-            let seen = base + cache.first * head_dim..base + cache.seen * head_dim;
-            let q_row = &q[unit * head_dim..][..head_dim];
-            // SAFETY: unit `unit` alone writes `out[unit * head_dim..][..head_dim]`,
-            // inside `out` (b * heads units).
-            let o = unsafe { out_ptr.slice(unit * head_dim, head_dim) };
-            let head = Head {
-                q: q_row,
-                keys: &cache.keys[seen.clone()],
-                values: &cache.values[seen],
+            let ((rows_start, rows_end), kv) = (tiles[unit / kv_heads], unit % kv_heads);
+            let cache = &caches[rows_start];
+            let base = kv * cache.capacity * head_dim;
+            let span = base..base + cache.capacity * head_dim;
+            let mut queries: SmallVec<[Query; QUERIES_AT_ONCE]> = SmallVec::new();
+            for i in rows_start..rows_end {
+                let c = &caches[i];
+                for h in kv * group..(kv + 1) * group {
+                    let at = (i * heads + h) * head_dim;
+                    queries.push(Query {
+                        q: &q[at..at + head_dim],
+                        first: c.first,
+                        seen: c.seen,
+                        // SAFETY: query (i, h) alone writes
+                        // `out[at..at + head_dim]`, inside `out` (b * heads
+                        // queries), and each belongs to one unit.
+                        out: unsafe { out_ptr.slice(at, head_dim) },
+                    });
+                }
+            }
+            let tile = Tile {
+                keys: &cache.keys[span.clone()],
+                values: &cache.values[span],
+                head_dim,
                 scale,
             };
-            head.attend(scores, o);
+            tile.attend(&mut queries, scores);
         }
     };
-    let attend_heads = |units: std::ops::Range<usize>| {
+    let attend_tiles = |units: std::ops::Range<usize>| {
         SCORES.with_borrow_mut(|scores| attend_units(units, scores))
     };
     let work = caches.iter().map(|c| c.seen - c.first).sum::<usize>() * heads * head_dim * 2;
-    parallel::split(b * heads, work, attend_heads);
+    parallel::split(tiles.len() * kv_heads, work, attend_tiles);
     drop(caches);
     drop(guards);
     Ok(())
 }
 
+/// Queries attended together (a KV head's query heads, for as many rows of
+/// one cache as fit): each key and value read serves all of them while it
+/// is in the nearest cache (one query at a time, a long prompt's attention
+/// waited on reading them). A model with more query heads per KV head
+/// takes them all, one row at a time.
+const QUERIES_AT_ONCE: usize = 16;
+
+/// Positions whose keys (or values) are read once for all of a tile's
+/// queries: 8 KB at a head size of 64, well inside the first-level cache.
+const POSITIONS_AT_ONCE: usize = 32;
+
 thread_local! {
-    /// A head's scores, kept by each compute thread between heads and steps.
+    /// A tile's scores, kept by each compute thread between tiles and steps.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -156,32 +193,44 @@ struct Cached<'a> {
     seen: usize,
 }
 
-/// One query head against the positions it sees of its KV head.
-struct Head<'a> {
+/// One query head of one row: it sees positions `first..seen` of its KV
+/// head, and its output goes to `out` (`head_dim` values, zeroed).
+struct Query<'a> {
     q: &'a [f32],
+    first: usize,
+    seen: usize,
+    out: &'a mut [f32],
+}
+
+/// One KV head's cached keys and values (`[capacity, head_dim]`).
+struct Tile<'a> {
     keys: &'a [f32],
     values: &'a [f32],
+    head_dim: usize,
     scale: f32,
 }
 
-impl Head<'_> {
-    /// Writes the head's output into `out` (`head_dim` values, zeroed).
-    fn attend(&self, scores: &mut Vec<f32>, out: &mut [f32]) {
+impl Tile<'_> {
+    /// Attends every query to the positions it sees. Each query's scores
+    /// and outputs are the bits of attending it alone (see the tests):
+    /// a score does not depend on which keys it was computed with, and
+    /// each output value is summed in position order.
+    fn attend(&self, queries: &mut [Query], scores: &mut Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
-            return unsafe { self.attend_avx2(scores, out) };
+            return unsafe { self.attend_avx2(queries, scores) };
         }
-        self.attend_plain(scores, out, dots)
+        self.attend_plain(queries, scores, dots)
     }
 
     /// The same code compiled for AVX2: eight lanes where the plain build
     /// has four, and the same bits (the compiler may not reorder float sums).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn attend_avx2(&self, scores: &mut Vec<f32>, out: &mut [f32]) {
+    unsafe fn attend_avx2(&self, queries: &mut [Query], scores: &mut Vec<f32>) {
         // SAFETY (of the closure's call): the CPU has AVX2.
-        self.attend_plain(scores, out, |a, b| unsafe { dots_avx2(a, b) })
+        self.attend_plain(queries, scores, |a, b| unsafe { dots_avx2(a, b) })
     }
 
     /// Each score and each output value is summed in one fixed order
@@ -191,57 +240,107 @@ impl Head<'_> {
     #[inline(always)]
     fn attend_plain(
         &self,
+        queries: &mut [Query],
         scores: &mut Vec<f32>,
-        out: &mut [f32],
         dots: impl Fn(&[f32], [&[f32]; KEYS_AT_ONCE]) -> [f32; KEYS_AT_ONCE],
     ) {
-        let head_dim = self.q.len();
+        let head_dim = self.head_dim;
+        let (Some(lo), Some(hi)) = (
+            queries.iter().map(|q| q.first).min(),
+            queries.iter().map(|q| q.seen).max(),
+        ) else {
+            return;
+        };
+        let width = hi - lo;
         scores.clear();
+        scores.resize(queries.len() * width, 0.0);
         // Loops, not iterator adapters: an adapter's `fold` is a function
         // of its own, compiled without the caller's AVX2.
-        let mut keys = self.keys.chunks_exact(head_dim * KEYS_AT_ONCE);
-        for several in &mut keys {
-            let rows = std::array::from_fn(|k| &several[k * head_dim..(k + 1) * head_dim]);
-            for d in dots(self.q, rows) {
-                scores.push(d * self.scale);
+        let mut block = lo;
+        while block < hi {
+            let block_end = (block + POSITIONS_AT_ONCE).min(hi);
+            for (n, query) in queries.iter().enumerate() {
+                let (from, to) = (block.max(query.first), block_end.min(query.seen));
+                let mut at = from;
+                while at + KEYS_AT_ONCE <= to {
+                    let rows = std::array::from_fn(|k| {
+                        &self.keys[(at + k) * head_dim..(at + k + 1) * head_dim]
+                    });
+                    let row_scores = &mut scores[n * width + at - lo..][..KEYS_AT_ONCE];
+                    for (s, d) in row_scores.iter_mut().zip(dots(query.q, rows)) {
+                        *s = d * self.scale;
+                    }
+                    at += KEYS_AT_ONCE;
+                }
+                while at < to {
+                    let key = &self.keys[at * head_dim..(at + 1) * head_dim];
+                    scores[n * width + at - lo] = dot(query.q, key) * self.scale;
+                    at += 1;
+                }
             }
+            block = block_end;
         }
-        for k in keys.remainder().chunks_exact(head_dim) {
-            scores.push(dot(self.q, k) * self.scale);
+        for (n, query) in queries.iter().enumerate() {
+            softmax(&mut scores[n * width + query.first - lo..n * width + query.seen - lo]);
         }
-        softmax(scores);
-        // Output values a register's width at a time, over every position:
-        // independent sums, each in position order.
-        let mut columns = out.chunks_exact_mut(OUT_LANES);
-        let mut at = 0;
-        for lanes in &mut columns {
-            self.weigh_values::<OUT_LANES>(scores, at, lanes);
-            at += OUT_LANES;
-        }
-        let mut columns = columns.into_remainder().chunks_exact_mut(8);
-        for lanes in &mut columns {
-            self.weigh_values::<8>(scores, at, lanes);
-            at += 8;
-        }
-        for lane in columns.into_remainder().chunks_exact_mut(1) {
-            self.weigh_values::<1>(scores, at, lane);
-            at += 1;
+        let mut block = lo;
+        while block < hi {
+            let block_end = (block + POSITIONS_AT_ONCE).min(hi);
+            for (n, query) in queries.iter_mut().enumerate() {
+                let (from, to) = (block.max(query.first), block_end.min(query.seen));
+                if from >= to {
+                    continue;
+                }
+                let weights = &scores[n * width + from - lo..n * width + to - lo];
+                let values = &self.values[from * head_dim..to * head_dim];
+                weigh_values(weights, values, query.out);
+            }
+            block = block_end;
         }
     }
+}
 
-    /// Output values `at..at + N` (into `lanes`): the values of every
-    /// position weighted by its score, each sum in position order.
-    #[inline(always)]
-    fn weigh_values<const N: usize>(&self, scores: &[f32], at: usize, lanes: &mut [f32]) {
-        let mut acc = [0f32; N];
-        for (&p, v) in scores.iter().zip(self.values.chunks_exact(self.q.len())) {
-            let v = &v[at..at + N];
-            for j in 0..N {
-                acc[j] += p * v[j];
-            }
-        }
-        lanes.copy_from_slice(&acc);
+/// Adds the `values` rows (`[positions, head_dim]`) weighted by `weights`
+/// to `out`, each output value summed in position order, a register's
+/// width of them at a time (independent sums).
+#[inline(always)]
+fn weigh_values(weights: &[f32], values: &[f32], out: &mut [f32]) {
+    let head_dim = out.len();
+    let mut columns = out.chunks_exact_mut(OUT_LANES);
+    let mut at = 0;
+    for lanes in &mut columns {
+        weigh_lanes::<OUT_LANES>(weights, values, head_dim, at, lanes);
+        at += OUT_LANES;
     }
+    let mut columns = columns.into_remainder().chunks_exact_mut(8);
+    for lanes in &mut columns {
+        weigh_lanes::<8>(weights, values, head_dim, at, lanes);
+        at += 8;
+    }
+    for lane in columns.into_remainder().chunks_exact_mut(1) {
+        weigh_lanes::<1>(weights, values, head_dim, at, lane);
+        at += 1;
+    }
+}
+
+/// Output values `at..at + N` (`lanes`, added to): the values of every
+/// position weighted by its weight, in position order.
+#[inline(always)]
+fn weigh_lanes<const N: usize>(
+    weights: &[f32],
+    values: &[f32],
+    head_dim: usize,
+    at: usize,
+    lanes: &mut [f32],
+) {
+    let mut acc: [f32; N] = std::array::from_fn(|j| lanes[j]);
+    for (&p, v) in weights.iter().zip(values.chunks_exact(head_dim)) {
+        let v = &v[at..at + N];
+        for j in 0..N {
+            acc[j] += p * v[j];
+        }
+    }
+    lanes.copy_from_slice(&acc);
 }
 
 /// Output values summed at once: eight AVX2 registers.
@@ -343,17 +442,60 @@ unsafe fn dots_avx2(a: &[f32], b: [&[f32]; KEYS_AT_ONCE]) -> [f32; KEYS_AT_ONCE]
     sums
 }
 
+/// Scores to weights. Written in plain float operations that the compiler
+/// turns into vector code (libm's `exp` one score at a time, and one
+/// running sum, were most of a long context's attention), in a fixed order:
+/// the same bits in every build and on every CPU.
 #[inline(always)]
 fn softmax(scores: &mut [f32]) {
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
     for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+        *s = exp_at_most_zero(*s - max);
+    }
+    // Eight partial sums, each in position order, then added in order.
+    let mut partial = [0f32; 8];
+    let mut chunks = scores.chunks_exact(8);
+    for eight in &mut chunks {
+        for j in 0..8 {
+            partial[j] += eight[j];
+        }
+    }
+    let mut sum = 0f32;
+    for p in partial {
+        sum += p;
+    }
+    for &s in chunks.remainder() {
+        sum += s;
     }
     for s in scores.iter_mut() {
         *s /= sum;
     }
+}
+
+/// e^x for x <= 0 (a score less the largest), within about two units in
+/// the last place: x = n ln 2 + r with |r| <= ln 2 / 2, e^x = 2^n e^r, e^r
+/// by Cephes' `expf` polynomial. Products and sums only, no fused
+/// multiply-add, so no build or CPU changes a bit.
+#[inline(always)]
+fn exp_at_most_zero(x: f32) -> f32 {
+    // Below this, 2^n is no longer a normal f32 (and e^x ~ 1e-38 weighs
+    // nothing next to the largest score's 1).
+    let x = x.max(-87.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    // ln 2 in two parts: n * LN2_HIGH is exact for the n that occur.
+    const LN2_HIGH: f32 = 0.693_359_4;
+    const LN2_LOW: f32 = -2.121_944_4e-4;
+    let r = x - n * LN2_HIGH - n * LN2_LOW;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let e_r = p * (r * r) + r + 1.0;
+    // 2^n for -126 <= n <= 0, built from its exponent bits.
+    let two_to_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    e_r * two_to_n
 }
 
 #[cfg(test)]
@@ -362,19 +504,36 @@ mod tests {
 
     /// One position at a time and one output value at a time: the order
     /// every score and output is summed in.
-    fn attend_one_by_one(head: &Head, out: &mut [f32]) {
-        let head_dim = head.q.len();
-        let mut scores: Vec<f32> = head
-            .keys
+    fn attend_one_by_one(q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
+        let head_dim = q.len();
+        let mut scores: Vec<f32> = keys
             .chunks_exact(head_dim)
-            .map(|k| dot(head.q, k) * head.scale)
+            .map(|k| dot(q, k) * 0.125)
             .collect();
         softmax(&mut scores);
-        for (&p, v) in scores.iter().zip(head.values.chunks_exact(head_dim)) {
+        for (&p, v) in scores.iter().zip(values.chunks_exact(head_dim)) {
             for (o, &x) in out.iter_mut().zip(v) {
                 *o += p * x;
             }
         }
+    }
+
+    #[test]
+    fn the_softmax_exponential_is_close_to_libm_s() {
+        let mut worst = 0f64;
+        let mut x = 0f32;
+        while x > -100.0 {
+            let (got, want) = (exp_at_most_zero(x) as f64, (x as f64).exp());
+            if want > 1e-37 {
+                worst = worst.max(((got - want) / want).abs());
+            } else {
+                assert!(got < 1e-36, "e^{x} = {got}");
+            }
+            x -= 0.000_731;
+        }
+        assert!(worst < 4.0 * f32::EPSILON as f64, "relative error {worst:e}");
+        assert_eq!(exp_at_most_zero(0.0), 1.0);
+        assert_eq!(exp_at_most_zero(f32::NEG_INFINITY), exp_at_most_zero(-87.0));
     }
 
     #[test]
@@ -387,29 +546,54 @@ mod tests {
             (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
         };
         for head_dim in [64, 80, 128, 12, 200] {
-            for positions in [1, 3, 7, 8, 9, 17, 40] {
-                let q: Vec<f32> = (0..head_dim).map(|_| next()).collect();
+            for positions in [1, 3, 7, 8, 9, 17, 40, 70] {
                 let keys: Vec<f32> = (0..positions * head_dim).map(|_| next()).collect();
                 let values: Vec<f32> = (0..positions * head_dim).map(|_| next()).collect();
-                let head = Head {
-                    q: &q,
+                let tile = Tile {
                     keys: &keys,
                     values: &values,
+                    head_dim,
                     scale: 0.125,
                 };
-                let mut expected = vec![0f32; head_dim];
-                attend_one_by_one(&head, &mut expected);
-                let mut got = vec![0f32; head_dim];
-                head.attend(&mut Vec::new(), &mut got);
+                // Queries as a prompt's rows see them (each one more
+                // position), and one with a window, together in one tile.
+                let seen: Vec<(usize, usize)> = (0..5)
+                    .map(|n| (0, positions.saturating_sub(n).max(1)))
+                    .chain([(positions / 2, positions)])
+                    .collect();
+                let qs: Vec<Vec<f32>> = seen
+                    .iter()
+                    .map(|_| (0..head_dim).map(|_| next()).collect())
+                    .collect();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&got),
-                    bits(&expected),
-                    "head_dim {head_dim}, {positions} positions"
-                );
-                let mut plain = vec![0f32; head_dim];
-                head.attend_plain(&mut Vec::new(), &mut plain, dots);
-                assert_eq!(bits(&plain), bits(&expected), "plain, head_dim {head_dim}");
+                for plain in [false, true] {
+                    let mut outs = vec![vec![0f32; head_dim]; qs.len()];
+                    let mut queries: Vec<Query> = qs
+                        .iter()
+                        .zip(&seen)
+                        .zip(outs.iter_mut())
+                        .map(|((q, &(first, seen)), out)| Query {
+                            q,
+                            first,
+                            seen,
+                            out,
+                        })
+                        .collect();
+                    match plain {
+                        true => tile.attend_plain(&mut queries, &mut Vec::new(), dots),
+                        false => tile.attend(&mut queries, &mut Vec::new()),
+                    }
+                    for ((q, &(first, seen)), got) in qs.iter().zip(&seen).zip(&outs) {
+                        let mut expected = vec![0f32; head_dim];
+                        let (k, v) = (first * head_dim, seen * head_dim);
+                        attend_one_by_one(q, &keys[k..v], &values[k..v], &mut expected);
+                        assert_eq!(
+                            bits(got),
+                            bits(&expected),
+                            "head_dim {head_dim}, {positions} positions, {first}..{seen}, plain {plain}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -16,10 +16,10 @@ use candle_core::{Device, Tensor};
 use smallvec::SmallVec;
 
 use super::scratch::{write_rows, AttentionScratch, LayerScratch, RowScratch};
-use super::{causal_mask, Attention, BlockSpan, DecoderLayer, ROW_KERNEL_MAX_ROWS};
+use super::{Attention, BlockSpan, DecoderLayer};
 use crate::adapter::Target;
 use crate::decode_attention;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::feed_forward::FeedForward;
 use crate::kv_cache::{LayerCache, SessionCache};
 use crate::linear::with_f32_values;
@@ -245,9 +245,8 @@ impl Attention {
     }
 
     /// Each row's attention over its session's cache (written up to the
-    /// step's end) into `out`: rows of `[heads, head_dim]`. Rows of steps
-    /// the row kernel takes attend together (as [`Attention::attend`]
-    /// attends them); a longer step attends through matrix products.
+    /// step's end) into `out`: rows of `[heads, head_dim]`, every row by
+    /// the row kernel (as [`Attention::attend`] attends them).
     fn attend_rows(
         &self,
         q: &[f32],
@@ -255,34 +254,15 @@ impl Attention {
         caches: &LayerCaches,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        let width = self.num_heads * self.head_dim;
-        let short = |s: &Segment| s.rows.len() <= ROW_KERNEL_MAX_ROWS;
-        if step.segments.iter().all(short) {
-            let mut keys: SmallVec<[&Tensor; 8]> = SmallVec::new();
-            let mut values: SmallVec<[&Tensor; 8]> = SmallVec::new();
-            for (i, segment) in step.segments.iter().enumerate() {
-                let cache = caches.of(i);
-                keys.extend(segment.rows.clone().map(|_| &cache.keys));
-                values.extend(segment.rows.clone().map(|_| &cache.values));
-            }
-            let shape = self.head_shape();
-            return decode_attention::attend_rows(q, &keys, &values, step.positions, shape, out);
+        let mut keys: SmallVec<[&Tensor; 8]> = SmallVec::new();
+        let mut values: SmallVec<[&Tensor; 8]> = SmallVec::new();
+        for (i, segment) in step.segments.iter().enumerate() {
+            let cache = caches.of(i);
+            keys.extend(segment.rows.clone().map(|_| &cache.keys));
+            values.extend(segment.rows.clone().map(|_| &cache.values));
         }
-        let [segment] = step.segments else {
-            // Batches are of decode steps, one row each.
-            return Err(ModelError::BatchMismatch);
-        };
-        let cache = caches.of(0);
-        let t = segment.rows.len();
-        let (nh, hd) = (self.num_heads, self.head_dim);
-        let q = Tensor::from_slice(q, (1, t, nh, hd), &Device::Cpu)?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let mask = causal_mask(t, segment.start, self.window, &Device::Cpu)?;
-        let attended = self.attend_cached(&q, segment.start, cache, Some(&mask))?;
-        *out = attended.flatten_all()?.to_vec1()?;
-        debug_assert_eq!(out.len(), t * width);
-        Ok(())
+        let shape = self.head_shape();
+        decode_attention::attend_rows(q, &keys, &values, step.positions, shape, out)
     }
 }
 
