@@ -531,7 +531,10 @@ mod tests {
             }
             x -= 0.000_731;
         }
-        assert!(worst < 4.0 * f32::EPSILON as f64, "relative error {worst:e}");
+        assert!(
+            worst < 4.0 * f32::EPSILON as f64,
+            "relative error {worst:e}"
+        );
         assert_eq!(exp_at_most_zero(0.0), 1.0);
         assert_eq!(exp_at_most_zero(f32::NEG_INFINITY), exp_at_most_zero(-87.0));
     }

@@ -26,6 +26,7 @@ const THREADS: usize = 2;
 
 #[derive(Debug, serde::Deserialize)]
 struct LlamaCppRun {
+    prefill_ms: f64,
     decode_tokens_per_s: f64,
     tokens: Vec<u32>,
     /// The ggml CPU build it loaded ("zen4", "haswell", ...).
@@ -60,10 +61,12 @@ fn llama_cpp(
     Ok(serde_json::from_str(line)?)
 }
 
-/// Tokens per second after the first new token (the prompt's prefill apart).
-fn decode_rate(out: &GenerateOutput) -> f64 {
+/// Tokens per second after the first new token (the prompt's prefill
+/// apart), and the prefill's milliseconds.
+fn rates_of(out: &GenerateOutput) -> (f64, f64) {
     let secs = (out.total_time - out.prefill_time).as_secs_f64();
-    out.generated_ids.len().saturating_sub(1) as f64 / secs.max(1e-9)
+    let rate = out.generated_ids.len().saturating_sub(1) as f64 / secs.max(1e-9);
+    (rate, out.prefill_time.as_secs_f64() * 1e3)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -162,33 +165,34 @@ pub async fn bench_compute(
         "llama.cpp, 1 thread",
     ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); RUNS.len()];
+    let mut prefills: Vec<Vec<f64>> = vec![Vec::new(); RUNS.len()];
     let (mut corolla_tokens, mut llama_tokens, mut dequantized_tokens, mut swarm_tokens) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut llama_variant = None;
     for round in 0..=rounds {
         for k in 0..RUNS.len() {
             let which = (round + k) % RUNS.len();
-            let rate = match which {
+            let (rate, prefill_ms) = match which {
                 0 | 5 => match llama_cpp_dir {
                     Some(dir) => {
                         let threads = if which == 0 { THREADS } else { 1 };
                         let run = llama_cpp(dir, model, threads, &request)?;
                         llama_tokens = run.tokens;
                         llama_variant = run.cpu_variant;
-                        run.decode_tokens_per_s
+                        (run.decode_tokens_per_s, run.prefill_ms)
                     }
-                    None => f64::NAN,
+                    None => (f64::NAN, f64::NAN),
                 },
                 1 => {
                     let out = kept.run(&request).await?;
                     corolla_tokens = out.generated_ids.clone();
-                    decode_rate(&out)
+                    rates_of(&out)
                 }
-                2 => decode_rate(&candle.run(&request).await?),
+                2 => rates_of(&candle.run(&request).await?),
                 3 => {
                     let out = dequantized.run(&request).await?;
                     dequantized_tokens = out.generated_ids.clone();
-                    decode_rate(&out)
+                    rates_of(&out)
                 }
                 4 => {
                     let mut chain =
@@ -199,23 +203,33 @@ pub async fn bench_compute(
                     .await?;
                     chain.close().await;
                     swarm_tokens = out.generated_ids.clone();
-                    decode_rate(&out)
+                    rates_of(&out)
                 }
                 _ => unreachable!("{which} indexes RUNS"),
             };
-            eprintln!("compute round {round}: {}: {rate:.1} tokens/s", RUNS[which]);
+            eprintln!(
+                "compute round {round}: {}: {rate:.1} tokens/s, prefill {prefill_ms:.1} ms",
+                RUNS[which]
+            );
             if round > 0 {
                 rates[which].push(rate);
+                prefills[which].push(prefill_ms);
             }
         }
     }
     drop(servers);
     let medians: Vec<f64> = rates.into_iter().map(median).collect();
+    let prefill_medians: Vec<f64> = prefills.into_iter().map(median).collect();
     let llama = medians[0];
     let llama_best = medians[0].max(medians[5]);
-    let mut table = String::from("| run | decode tokens/s | vs llama.cpp |\n|---|---|---|\n");
-    for (name, rate) in RUNS.iter().zip(&medians) {
-        table.push_str(&format!("| {name} | {rate:.1} | {:.2}× |\n", rate / llama));
+    let mut table = String::from(
+        "| run | decode tokens/s | vs llama.cpp | prompt's prefill (ms) |\n|---|---|---|---|\n",
+    );
+    for ((name, rate), prefill) in RUNS.iter().zip(&medians).zip(&prefill_medians) {
+        table.push_str(&format!(
+            "| {name} | {rate:.1} | {:.2}× | {prefill:.1} |\n",
+            rate / llama
+        ));
     }
     let agree_llama = common_prefix(&corolla_tokens, &llama_tokens);
     let agree_float = common_prefix(&corolla_tokens, &dequantized_tokens);
@@ -225,7 +239,7 @@ pub async fn bench_compute(
          Command: `corolla-bench --compute --rounds {rounds} --new-tokens {new_tokens} --write BENCHMARKS.md` \
          (also part of `bash scripts/bench.sh`).\n\n\
          {}, CPU, {THREADS} threads everywhere but the row that says 1 (`RAYON_NUM_THREADS`; llama.cpp's `threads`). A chat prompt of {} \
-         tokens, {new_tokens} greedy tokens; decode tokens/s after the first new token (the prefill apart); \
+         tokens, {new_tokens} greedy tokens; decode tokens/s after the first new token (the prefill apart), and the time to the first new token (the prompt's prefill); \
          medians of {rounds} rounds after a warm-up, the six runs in a rotated order each round. \
          llama.cpp is node-llama-cpp 3.21.1's prebuilt CPU build{}.{}\n\n{table}\n\
          - Corolla local kept quantized / llama.cpp: **{:.2}×** (target >= 1.0); against llama.cpp's faster \
