@@ -190,12 +190,14 @@ fn a_kept_quantized_step_of_several_positions_is_each_position_alone_bit_for_bit
             kept_quantized_with_heads(dir.path(), &name, WIDTH, 256, heads, quant, 5).unwrap();
         let span = BlockSpan::load(&checkpoint, 0, 2, DType::F32, &Device::Cpu).unwrap();
         let prompt = hidden_of_width(9, WIDTH, 3);
-        for positions in [2, 5, 17, 32] {
+        // Up to a prompt's length: every step of one session attends row
+        // by row on the CPU.
+        for positions in [2, 5, 17, 32, 70] {
             let step = hidden_of_width(positions, WIDTH, 11);
-            let mut together = span.new_cache(64).unwrap();
+            let mut together = span.new_cache(128).unwrap();
             span.forward(&prompt, 0, &mut together).unwrap();
             let got = span.forward(&step, 9, &mut together).unwrap();
-            let mut alone = span.new_cache(64).unwrap();
+            let mut alone = span.new_cache(128).unwrap();
             span.forward(&prompt, 0, &mut alone).unwrap();
             let one_by_one: Vec<Tensor> = (0..positions)
                 .map(|j| {
