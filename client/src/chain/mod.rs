@@ -244,61 +244,15 @@ impl RemoteChain {
         self.view.route(from, to, &self.settings).await
     }
 
-    /// Opens a session on each hop of `route`, each allowed to push to the
-    /// next, the last to `after` (the server of the blocks after the route).
-    /// The hops are opened at once (one after another, a three-server
-    /// chat's first turn waited ~7 ms on loopback for its Opens alone).
-    async fn open_all(
+    // `&mut self`: a shared borrow held across an await would need the chain to be Sync.
+    /// Opens a session on `hop`'s server that may push to `next`.
+    async fn open(
         &mut self,
-        route: &[Hop],
-        after: Option<PeerId>,
-    ) -> Result<Vec<RemoteSession>, ClientError> {
-        let mut requests = Vec::with_capacity(route.len());
-        for (index, hop) in route.iter().enumerate() {
-            let this = peer_of(hop)?;
-            let next = match route.get(index + 1) {
-                Some(next) => Some(peer_of(next)?),
-                None => after,
-            }
-            // A server hosting the next blocks too cannot push to itself.
-            .filter(|next| *next != this);
-            requests.push((this, self.open_request(hop, next)));
-        }
-        let (view, timeout) = (&self.view, self.settings.timeout);
-        let opened = futures::future::join_all(
-            requests
-                .into_iter()
-                .map(|(peer, request)| open_session(view, peer, request, timeout)),
-        )
-        .await;
-        let mut sessions = Vec::with_capacity(route.len());
-        let mut failure = None;
-        for (hop, result) in route.iter().zip(opened) {
-            match result {
-                Ok((session, via)) => {
-                    if let Some(via) = via {
-                        self.via.insert(hop.peer_id.clone(), via);
-                    }
-                    sessions.push(session.with_step_timeout(self.settings.step_timeout));
-                }
-                // The first failure in route order is the one reported.
-                Err(e) => {
-                    failure.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = failure {
-            for s in sessions {
-                s.close().await;
-            }
-            return Err(e);
-        }
-        Ok(sessions)
-    }
-
-    /// What opens a session on `hop`'s server that may push to `next`.
-    fn open_request(&self, hop: &Hop, next: Option<PeerId>) -> OpenRequest {
-        OpenRequest {
+        hop: &Hop,
+        next: Option<PeerId>,
+    ) -> Result<RemoteSession, ClientError> {
+        let peer = peer_of(hop)?;
+        let request = OpenRequest {
             model: self.settings.model.clone(),
             fingerprint: self.view.span_hash(hop),
             start: hop.start as u32,
@@ -309,26 +263,48 @@ impl RemoteChain {
             flow_window: self.settings.flow_window,
             next,
             adapter: self.settings.adapter.clone(),
+        };
+        // A failure here is the session's to report, with its own error.
+        if let Ok(via) = self.view.node().prefer_direct(peer, HOLE_PUNCH_WAIT).await {
+            tracing::debug!(%peer, ?via, "connected");
+            self.via.insert(hop.peer_id.clone(), via);
         }
+        let mut control = self.view.node().control();
+        Ok(
+            RemoteSession::open(&mut control, peer, request, self.settings.timeout)
+                .await?
+                .with_step_timeout(self.settings.step_timeout),
+        )
     }
-}
 
-/// Opens a session on `peer` with `request`, over a direct connection
-/// where one can be had; returns how the server is reached.
-async fn open_session(
-    view: &SwarmView,
-    peer: PeerId,
-    request: OpenRequest,
-    timeout: Duration,
-) -> Result<(RemoteSession, Option<Via>), ClientError> {
-    // A failure here is the session's to report, with its own error.
-    let via = view.node().prefer_direct(peer, HOLE_PUNCH_WAIT).await.ok();
-    if let Some(via) = via {
-        tracing::debug!(%peer, ?via, "connected");
+    /// Opens a session on each hop of `route`, each allowed to push to the
+    /// next, the last to `after` (the server of the blocks after the route).
+    async fn open_all(
+        &mut self,
+        route: &[Hop],
+        after: Option<PeerId>,
+    ) -> Result<Vec<RemoteSession>, ClientError> {
+        let mut sessions = Vec::with_capacity(route.len());
+        for (index, hop) in route.iter().enumerate() {
+            let this = peer_of(hop)?;
+            let next = match route.get(index + 1) {
+                Some(next) => Some(peer_of(next)?),
+                None => after,
+            }
+            // A server hosting the next blocks too cannot push to itself.
+            .filter(|next| *next != this);
+            match self.open(hop, next).await {
+                Ok(s) => sessions.push(s),
+                Err(e) => {
+                    for s in sessions {
+                        s.close().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(sessions)
     }
-    let mut control = view.node().control();
-    let session = RemoteSession::open(&mut control, peer, request, timeout).await?;
-    Ok((session, via))
 }
 
 /// Drops what `steps` (`(start, rows)` per step) hold of positions `len..`.
