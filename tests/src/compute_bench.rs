@@ -17,6 +17,8 @@ use corolla_model::{
 };
 use corolla_shared::WireDType;
 
+use crate::{median, spread};
+
 pub const COMPUTE_HEADING: &str = "## Compute: Corolla against llama.cpp on the same GGUF";
 
 /// The folder where `scripts/bench.sh` installs node-llama-cpp and its script.
@@ -67,11 +69,6 @@ fn rates_of(out: &GenerateOutput) -> (f64, f64) {
     let secs = (out.total_time - out.prefill_time).as_secs_f64();
     let rate = out.generated_ids.len().saturating_sub(1) as f64 / secs.max(1e-9);
     (rate, out.prefill_time.as_secs_f64() * 1e3)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -218,6 +215,10 @@ pub async fn bench_compute(
         }
     }
     drop(servers);
+    // Each round's swarm against the same round's local run: the spread
+    // shows how much of the ratio is this machine's noise.
+    let round_ratios: Vec<f64> = rates[4].iter().zip(&rates[1]).map(|(s, l)| s / l).collect();
+    let (lowest, highest) = spread(&round_ratios);
     let medians: Vec<f64> = rates.into_iter().map(median).collect();
     let prefill_medians: Vec<f64> = prefills.into_iter().map(median).collect();
     let llama = medians[0];
@@ -244,7 +245,7 @@ pub async fn bench_compute(
          llama.cpp is node-llama-cpp 3.21.1's prebuilt CPU build{}.{}\n\n{table}\n\
          - Corolla local kept quantized / llama.cpp: **{:.2}×** (target >= 1.0); against llama.cpp's faster \
          thread count: {:.2}×\n\
-         - swarm / local, kept quantized: **{:.2}×** (target >= 0.9)\n\
+         - swarm / local, kept quantized: **{:.2}×** (target >= 0.9); the rounds' own ratios: {lowest:.2} to {highest:.2}\n\
          - greedy tokens: Corolla kept quantized and llama.cpp agree on the first {agree_llama} of {new_tokens}; \
          kept quantized and dequantized agree on the first {agree_float}; the kept-quantized swarm and the local \
          run on the first {agree_swarm}\n",

@@ -27,6 +27,14 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// The smallest and the largest of `v` (NaN for none): how far the rounds
+/// behind a median spread on these noisy machines.
+pub fn spread(v: &[f64]) -> (f64, f64) {
+    let lowest = v.iter().copied().fold(f64::NAN, f64::min);
+    let highest = v.iter().copied().fold(f64::NAN, f64::max);
+    (lowest, highest)
+}
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

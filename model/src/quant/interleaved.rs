@@ -248,11 +248,12 @@ pub(crate) fn run_units<A: Copy + Sync>(
                     let r = tile * MAX_ACTIVATIONS + k / GROUPS_PER_UNIT;
                     let first = u * UNIT + (k % GROUPS_PER_UNIT) * GROUP;
                     let valid = GROUP.min(rows.saturating_sub(first));
-                    for (j, &value) in lanes[..valid].iter().enumerate() {
-                        // SAFETY: each (r, o) is written by exactly one
-                        // work item, and r * rows + o < batch * rows.
-                        unsafe { out_ptr.write(r * rows + first + j, value) };
-                    }
+                    // SAFETY: each (r, o) is written by exactly one work
+                    // item, and r * rows + first + valid <= batch * rows.
+                    // One slice, not a write per value: a long prompt's
+                    // outputs were an eighth of its projections' time.
+                    unsafe { out_ptr.slice(r * rows + first, valid) }
+                        .copy_from_slice(&lanes[..valid]);
                 }
             }
         }

@@ -31,15 +31,16 @@ use corolla_shared::WireDType;
 use corolla_tests::batching_bench::{bench_batching, BATCHING_HEADING};
 use corolla_tests::chat_bench::{bench_chat_turns, CHAT_HEADING};
 use corolla_tests::demo_swarm::{bootstrap as bootstrap_of, demo_swarm, even_swarm};
-use corolla_tests::median;
+use corolla_tests::{median, spread};
 use corolla_tests::report::{write_report, write_section, Run};
 use corolla_tests::start_model_server;
 
 const NOTES: &str = "Notes: this machine has 2 noisy cores, and the servers, the client and the
-local baseline all share them in one process. Across runs the swarm/local
-ratio has ranged from 0.84 to 0.94 (this run: see above); each hop costs a
-few hundred microseconds (framing, noise, yamux, a thread hand-off to the
-compute pool and back).";
+local baseline all share them in one process. The swarm/local ratio of the
+bench model has ranged from 0.76 to 0.96 between runs of one commit (each
+section gives its own rounds' spread); each hop costs a few hundred
+microseconds (framing, noise, yamux, a signed push and its check, a thread
+hand-off to the compute core and back).";
 
 /// What to measure: everything (no section flag, the whole report), or one
 /// section written into an existing report.
@@ -270,6 +271,7 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let (local, swarm) = (median(local_tps), median(swarm_tps));
+    let (lowest, highest) = spread(&ratios);
     let ratio = median(ratios);
     let per_hop_us = (1.0 / swarm - 1.0 / local) / servers_n as f64 * 1e6;
     let report = format!(
@@ -280,7 +282,7 @@ async fn main() -> anyhow::Result<()> {
          Greedy generation of {new_tokens} tokens after a 16-token prompt; {servers_n} servers of {per} layers each \
          on loopback, in the benchmark's process; medians of {rounds} rounds after a warm-up.\n\n\
          | run | tokens/s |\n|---|---|\n| local (one process) | {local:.1} |\n| swarm ({servers_n} servers) | {swarm:.1} |\n\n\
-         - ratio swarm / local (median of the rounds' ratios): **{ratio:.3}** (target >= 0.9)\n\
+         - ratio swarm / local (median of the rounds' ratios): **{ratio:.3}** (target >= 0.9); the rounds' ratios: {lowest:.3} to {highest:.3}\n\
          - added latency per hop: **{per_hop_us:.0} µs** per token\n",
         spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size
     );
