@@ -412,7 +412,8 @@ fn dots(a: &[f32], b: [&[f32]; KEYS_AT_ONCE]) -> [f32; KEYS_AT_ONCE] {
 #[inline]
 unsafe fn dots_avx2(a: &[f32], b: [&[f32]; KEYS_AT_ONCE]) -> [f32; KEYS_AT_ONCE] {
     use std::arch::x86_64::{
-        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_storeu_ps,
     };
     let chunks = a.len() / 8 * 8;
     assert!(b.iter().all(|b| b.len() == a.len()));
@@ -429,19 +430,78 @@ unsafe fn dots_avx2(a: &[f32], b: [&[f32]; KEYS_AT_ONCE]) -> [f32; KEYS_AT_ONCE]
         }
         i += 8;
     }
-    let mut sums = [0f32; KEYS_AT_ONCE];
-    for ((sum, acc), b) in sums.iter_mut().zip(acc).zip(&b) {
-        let mut lanes = [0f32; 8];
-        // SAFETY: `lanes` holds eight values.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        let tail: f32 = a[chunks..]
-            .iter()
-            .zip(&b[chunks..])
-            .map(|(x, y)| x * y)
-            .sum();
-        *sum = lanes.iter().sum::<f32>() + tail;
+    // Each key's eight lanes summed in `dot`'s order, all keys at once:
+    // the lanes are transposed so that register j holds lane j of every
+    // key, and the registers are added in lane order (one key's lanes
+    // summed one after another cost a third of a long prompt's attention).
+    let lanes = transpose_8x8(acc);
+    // `Iterator::sum`'s start, whatever the standard library takes for it.
+    let empty_sum = std::iter::empty::<f32>().sum::<f32>();
+    let mut sums = _mm256_set1_ps(empty_sum);
+    for lane in lanes {
+        sums = _mm256_add_ps(sums, lane);
     }
-    sums
+    // Each key's values past the last whole eight, summed as `dot` sums
+    // them (from `Iterator::sum`'s start: no values leave just that). A
+    // loop, not `map(..).sum()`: an adapter's fold is a function of its
+    // own, called eight times a call here and compiled without AVX2.
+    let mut tails = [empty_sum; KEYS_AT_ONCE];
+    for (tail, b) in tails.iter_mut().zip(&b) {
+        let mut i = chunks;
+        while i < a.len() {
+            *tail += a[i] * b[i];
+            i += 1;
+        }
+    }
+    // SAFETY: `tails` holds eight values.
+    let sums = _mm256_add_ps(sums, unsafe { _mm256_loadu_ps(tails.as_ptr()) });
+    let mut out = [0f32; KEYS_AT_ONCE];
+    // SAFETY: `out` holds eight values.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sums) };
+    out
+}
+
+/// Rows to columns: lane `j` of result `k` is lane `k` of `rows[j]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose_8x8(rows: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::{
+        _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+    };
+    let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
+    // Pairs of rows interleaved, then quads, within each 128-bit half.
+    let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+    let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+    let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+    let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+    let (q0, q1) = (
+        _mm256_shuffle_ps::<0x44>(t0, t2),
+        _mm256_shuffle_ps::<0xee>(t0, t2),
+    );
+    let (q2, q3) = (
+        _mm256_shuffle_ps::<0x44>(t1, t3),
+        _mm256_shuffle_ps::<0xee>(t1, t3),
+    );
+    let (q4, q5) = (
+        _mm256_shuffle_ps::<0x44>(t4, t6),
+        _mm256_shuffle_ps::<0xee>(t4, t6),
+    );
+    let (q6, q7) = (
+        _mm256_shuffle_ps::<0x44>(t5, t7),
+        _mm256_shuffle_ps::<0xee>(t5, t7),
+    );
+    // Lanes 0-3 of rows 0-3 and 4-7 from the low halves, lanes 4-7 from the high.
+    [
+        _mm256_permute2f128_ps::<0x20>(q0, q4),
+        _mm256_permute2f128_ps::<0x20>(q1, q5),
+        _mm256_permute2f128_ps::<0x20>(q2, q6),
+        _mm256_permute2f128_ps::<0x20>(q3, q7),
+        _mm256_permute2f128_ps::<0x31>(q0, q4),
+        _mm256_permute2f128_ps::<0x31>(q1, q5),
+        _mm256_permute2f128_ps::<0x31>(q2, q6),
+        _mm256_permute2f128_ps::<0x31>(q3, q7),
+    ]
 }
 
 /// Scores to weights. Written in plain float operations that the compiler
@@ -474,6 +534,11 @@ fn softmax(scores: &mut [f32]) {
     }
 }
 
+/// 2^23: the floats from here to 2^24 are the integers, each in its low bits.
+const MANTISSA_ONE: f32 = 8_388_608.0;
+/// An f32's exponent field holds its power of two plus this.
+const EXPONENT_BIAS: f32 = 127.0;
+
 /// e^x for x <= 0 (a score less the largest), within about two units in
 /// the last place: x = n ln 2 + r with |r| <= ln 2 / 2, e^x = 2^n e^r, e^r
 /// by Cephes' `expf` polynomial. Products and sums only, no fused
@@ -495,8 +560,12 @@ fn exp_at_most_zero(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e_r = p * (r * r) + r + 1.0;
-    // 2^n for -126 <= n <= 0, built from its exponent bits.
-    let two_to_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n for -126 <= n <= 0, built from its exponent bits: n + 127 is
+    // read off the low bits of 2^23 + n + 127 (exact for these integers),
+    // which vectorises; `n as i32` saturates, and its checks were done one
+    // lane at a time (a tenth of a long context's attention).
+    let biased = (n + (EXPONENT_BIAS + MANTISSA_ONE)).to_bits() - MANTISSA_ONE.to_bits();
+    let two_to_n = f32::from_bits(biased << 23);
     e_r * two_to_n
 }
 

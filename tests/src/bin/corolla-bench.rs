@@ -31,9 +31,9 @@ use corolla_shared::WireDType;
 use corolla_tests::batching_bench::{bench_batching, BATCHING_HEADING};
 use corolla_tests::chat_bench::{bench_chat_turns, CHAT_HEADING};
 use corolla_tests::demo_swarm::{bootstrap as bootstrap_of, demo_swarm, even_swarm};
-use corolla_tests::{median, spread};
 use corolla_tests::report::{write_report, write_section, Run};
 use corolla_tests::start_model_server;
+use corolla_tests::{median, spread};
 
 const NOTES: &str = "Notes: this machine has 2 noisy cores, and the servers, the client and the
 local baseline all share them in one process. The swarm/local ratio of the
