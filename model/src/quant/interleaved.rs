@@ -250,8 +250,8 @@ pub(crate) fn run_units<A: Copy + Sync>(
                     let valid = GROUP.min(rows.saturating_sub(first));
                     // SAFETY: each (r, o) is written by exactly one work
                     // item, and r * rows + first + valid <= batch * rows.
-                    // One slice, not a write per value: a long prompt's
-                    // outputs were an eighth of its projections' time.
+                    // One slice copy, not a write per value with its own
+                    // index arithmetic.
                     unsafe { out_ptr.slice(r * rows + first, valid) }
                         .copy_from_slice(&lanes[..valid]);
                 }
