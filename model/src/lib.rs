@@ -56,6 +56,7 @@ pub use head::ClientHead;
 pub use kv_cache::{CachedPositions, SessionCache};
 pub use linear::KERNELS_ENV;
 pub use lora::SpanAdapter;
+pub use quant::repacked_for_batches;
 pub use sampler::{Sampler, SamplingParams};
 pub use span::BlockSpan;
 

@@ -72,9 +72,7 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
          expert, {} products of width {} in place of one of {}); its {} experts are {:.1} MB of the \
          {:.0} MB. At 16 sessions the expert block reaches {:.2}× one session and the dense twin \
          {:.2}×: a batch reads each chosen expert once for every row that chose it \
-         (`model/src/experts.rs`), but Q4_K goes through candle's per-row kernels (the interleaved \
-         batch kernels cover Q4_0 and Q4_1), whose products cost the same per row however many rows \
-         share a step on these two cores, so neither block gains much from batching here.\n",
+         (`model/src/experts.rs`), and {}\n",
         experts.count,
         experts.intermediate_size,
         experts.per_token,
@@ -90,5 +88,22 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
         mb(moe_figures.weight_bytes),
         moe_figures.speedup(16),
         dense_figures.speedup(16),
+        q4_k_kernels(),
     ))
+}
+
+/// How this CPU multiplies a batch's rows by Q4_K weights.
+fn q4_k_kernels() -> &'static str {
+    match corolla_model::repacked_for_batches(corolla_model::quantized::GgmlDType::Q4K) {
+        true => {
+            "Q4_K is repacked sixteen rows to a unit (`model/src/quant/q4_k/interleaved.rs`, \
+                 AVX-512 VNNI): one instruction meets sixteen weight rows, and a super-block's \
+                 nibbles serve four sessions."
+        }
+        false => {
+            "Q4_K goes through candle's one-row kernel with each super-block unpacked once \
+                  for four rows (`model/src/quant/q4_k.rs`; the repacked layout needs AVX-512 \
+                  VNNI, which this CPU lacks)."
+        }
+    }
 }

@@ -14,6 +14,7 @@ use candle_core::Device;
 use super::dot;
 use super::interleaved::{InterleavedQ4, Nibbles};
 use super::parallel::{self, Kernels};
+use super::q4_k::{self, InterleavedQ4K};
 use super::q8_0::{self, InterleavedQ8};
 use crate::error::{ModelError, Result};
 
@@ -113,6 +114,15 @@ impl QuantBlocks {
         Ok(Some(InterleavedQ4::new(format, &bytes, rows, cols)?))
     }
 
+    /// Q4_K blocks repacked for this CPU's kernel, where it has one.
+    pub fn interleaved_q4k(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ4K>> {
+        if self.format() != GgmlDType::Q4K || !InterleavedQ4K::supported() {
+            return Ok(None);
+        }
+        let bytes = self.tensor.data()?;
+        Ok(Some(InterleavedQ4K::new(&bytes, rows, cols)?))
+    }
+
     /// Q8_0 blocks repacked for this CPU's kernel, where it has one.
     pub fn interleaved_q8(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ8>> {
         if !InterleavedQ8::supported() {
@@ -131,7 +141,7 @@ impl QuantBlocks {
             Typed::Q4_0(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q4_1(w) => parallel::matmul(w, shape, input, out, dot::q4_1_q8_1()),
             Typed::Q8_0(w) => q8_0::matmul_rows(w, shape, input, out),
-            Typed::Q4K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Typed::Q4K(w) => parallel::matmul(w, shape, input, out, q4_k::kernels()),
             Typed::Q5K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
             Typed::Q6K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
         })

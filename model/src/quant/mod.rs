@@ -14,10 +14,12 @@ mod blocks;
 mod dot;
 mod interleaved;
 pub(crate) mod parallel;
+mod q4_k;
 mod q8_0;
 
 pub(crate) use blocks::QuantBlocks;
 use interleaved::{Activations, InterleavedQ4};
+use q4_k::{ActivationsQ8K, InterleavedQ4K};
 use q8_0::{ActivationBlocks, InterleavedQ8};
 
 use std::sync::Arc;
@@ -27,11 +29,25 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
+/// Whether this CPU's kept-quantized spans repack `format` sixteen rows to
+/// a unit for batches ([`QuantMatrix::interleaved`]), rather than keep its
+/// blocks as stored.
+pub fn repacked_for_batches(format: candle_core::quantized::GgmlDType) -> bool {
+    use candle_core::quantized::GgmlDType;
+    match format {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 => true,
+        GgmlDType::Q8_0 => InterleavedQ8::supported(),
+        GgmlDType::Q4K => InterleavedQ4K::supported(),
+        _ => false,
+    }
+}
+
 /// The room a product's quantized activations take, kept between products.
 #[derive(Debug, Default)]
 pub(crate) struct ActivationScratch {
     q4: Activations,
     q8: ActivationBlocks,
+    q4k: ActivationsQ8K,
 }
 
 /// A weight matrix `[rows, cols]` kept in its GGUF quantization.
@@ -50,6 +66,8 @@ enum Layout {
     Interleaved(Arc<InterleavedQ4>),
     /// Q8_0 repacked for AVX-512 VNNI.
     InterleavedQ8(Arc<InterleavedQ8>),
+    /// Q4_K repacked for AVX-512 VNNI.
+    InterleavedQ4K(Arc<InterleavedQ4K>),
 }
 
 impl QuantMatrix {
@@ -80,7 +98,7 @@ impl QuantMatrix {
 
     /// The matrix with its weights repacked sixteen rows to a unit where
     /// the format has such kernels (Q4_0 and Q4_1 everywhere, which multiply a
-    /// batch's rows 2-3x faster; Q8_0 on CPUs with AVX-512 VNNI). The
+    /// batch's rows 2-3x faster; Q8_0 and Q4_K on CPUs with AVX-512 VNNI). The
     /// repacked copy replaces the blocks, which are dropped: not for a
     /// matrix whose blocks are read elsewhere too.
     pub fn interleaved(self) -> Result<Self> {
@@ -90,6 +108,12 @@ impl QuantMatrix {
         if let Some(interleaved) = blocks.interleaved(self.rows, self.cols)? {
             return Ok(QuantMatrix {
                 weights: Layout::Interleaved(Arc::new(interleaved)),
+                ..self
+            });
+        }
+        if let Some(interleaved) = blocks.interleaved_q4k(self.rows, self.cols)? {
+            return Ok(QuantMatrix {
+                weights: Layout::InterleavedQ4K(Arc::new(interleaved)),
                 ..self
             });
         }
@@ -117,7 +141,9 @@ impl QuantMatrix {
             .iter()
             .map(|p| match &p.weights {
                 Layout::Blocks(blocks) => Some(blocks),
-                Layout::Interleaved(_) | Layout::InterleavedQ8(_) => None,
+                Layout::Interleaved(_) | Layout::InterleavedQ8(_) | Layout::InterleavedQ4K(_) => {
+                    None
+                }
             })
             .collect();
         let Some(blocks) = blocks else {
@@ -192,6 +218,10 @@ impl QuantMatrix {
             }
             Layout::InterleavedQ8(interleaved) => {
                 interleaved.matmul(self.shape(batch), input, out, &mut scratch.q8);
+                Ok(())
+            }
+            Layout::InterleavedQ4K(interleaved) => {
+                interleaved.matmul(self.shape(batch), input, out, &mut scratch.q4k);
                 Ok(())
             }
             Layout::Blocks(blocks) => blocks.matmul(self.shape(batch), input, out),

@@ -1,0 +1,172 @@
+//! Q4_K weights against Q8_K activations, four activation rows at a time.
+//!
+//! A batch's rows (a prefill's positions, the sessions of a decode batch)
+//! met each Q4_K weight row through candle's one-row dot product, which
+//! unpacks the row's nibbles and its 6-bit scales again for every
+//! activation row. Here a super-block is unpacked once and serves four
+//! rows. Per row the arithmetic is candle's AVX2 kernel's, instruction for
+//! instruction: the same integer lanes, the same fused multiply-adds in
+//! the same order, the same final sums. So a row's output is bit for bit
+//! what candle's kernel gives it alone, and a session's numbers do not
+//! depend on who shares its step.
+
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
+
+use super::parallel::Kernels;
+
+// The byte layouts (ggml's): Q4_K is `d`, `dmin` (f16), 12 bytes of packed
+// 6-bit scales and mins, 128 bytes of nibbles; Q8_K is `d` (f32), 256
+// values, 16 sums of 16 values (i16).
+const Q4K_BYTES: usize = 144;
+const Q4K_SCALES_AT: usize = 4;
+const Q4K_VALUES_AT: usize = 16;
+const Q8K_BYTES: usize = 292;
+const Q8K_VALUES_AT: usize = 4;
+const Q8K_SUMS_AT: usize = 260;
+/// Values per super-block.
+const SUPER_BLOCK: usize = 256;
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == Q4K_BYTES);
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
+
+mod interleaved;
+
+pub(crate) use interleaved::{ActivationsQ8K, InterleavedQ4K};
+
+/// Candle's kernels, with the four-row one where the CPU runs candle's
+/// AVX2 kernel (whose bits it repeats).
+pub(crate) fn kernels() -> Kernels<BlockQ4K> {
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        return Kernels {
+            batched: Some(x86::four_activations),
+            ..Kernels::candle()
+        };
+    }
+    Kernels::candle()
+}
+
+/// The scales (low 8 bytes) and mins (high 8 bytes) of a super-block,
+/// 6 bits each, unpacked from their 12 bytes as candle does.
+#[inline]
+pub(crate) fn scales_and_mins(packed: &[u8; 12]) -> [u32; 4] {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            packed[4 * i],
+            packed[4 * i + 1],
+            packed[4 * i + 2],
+            packed[4 * i + 3],
+        ])
+    };
+    let (a, b, c) = (word(0), word(1), word(2));
+    [
+        a & KMASK1,
+        (c & KMASK2) | (((a >> 6) & KMASK3) << 4),
+        b & KMASK1,
+        ((c >> 4) & KMASK2) | (((b >> 6) & KMASK3) << 4),
+    ]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
+
+    use super::{Q4K_BYTES, Q4K_SCALES_AT, Q4K_VALUES_AT, Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
+
+    /// Where candle takes its AVX2 kernel (`k_quants.rs`: AVX2 and FMA).
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    /// [`super::super::parallel::Batched4`] for Q4_K.
+    pub fn four_activations(n: usize, xs: &[BlockQ4K], ys: [&[BlockQ8K]; 4]) -> [f32; 4] {
+        let blocks = ys
+            .iter()
+            .map(|y| y.len())
+            .fold(xs.len().min(n / super::SUPER_BLOCK), usize::min);
+        // SAFETY: `available()` held when this kernel was chosen, and
+        // `blocks` blocks lie inside the weight row and each activation row.
+        unsafe { four_rows(blocks, xs.as_ptr().cast(), ys.map(|y| y.as_ptr().cast())) }
+    }
+
+    /// Candle's shuffle picking scale `i` (as i16) into every lane pair.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scale_shuffle(i: usize) -> __m256i {
+        let low = (2 * i) as i8;
+        _mm256_set1_epi16(i16::from_le_bytes([low as u8, (low + 1) as u8]))
+    }
+
+    /// Sums the eight lanes as candle's `hsum_float_8` does.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sum_lanes(v: __m256) -> f32 {
+        let half = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+        let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)))
+    }
+
+    /// One weight row of `blocks` super-blocks against four activation rows.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn four_rows(blocks: usize, w: *const u8, x: [*const u8; 4]) -> [f32; 4] {
+        let nibble = _mm256_set1_epi8(0x0f);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc_m = [_mm_setzero_ps(); 4];
+        for b in 0..blocks {
+            let wb = w.add(b * Q4K_BYTES);
+            let d = half::f16::from_bits(std::ptr::read_unaligned(wb.cast::<u16>())).to_f32();
+            let dmin =
+                half::f16::from_bits(std::ptr::read_unaligned(wb.add(2).cast::<u16>())).to_f32();
+            let packed: [u8; 12] = std::ptr::read_unaligned(wb.add(Q4K_SCALES_AT).cast());
+            let [s0, s1, s2, s3] = super::scales_and_mins(&packed);
+            let mins_and_scales =
+                _mm256_cvtepu8_epi16(_mm_set_epi32(s3 as i32, s2 as i32, s1 as i32, s0 as i32));
+            let mins = _mm256_extracti128_si256(mins_and_scales, 1);
+            let scales128 = _mm256_extracti128_si256(mins_and_scales, 0);
+            let scales = _mm256_set_m128i(scales128, scales128);
+            let xb: [*const u8; 4] = x.map(|x| x.add(b * Q8K_BYTES));
+            for r in 0..4 {
+                let x_d = std::ptr::read_unaligned(xb[r].cast::<f32>());
+                let sums = _mm256_loadu_si256(xb[r].add(Q8K_SUMS_AT).cast());
+                let pair_sums = _mm_hadd_epi16(
+                    _mm256_extracti128_si256(sums, 0),
+                    _mm256_extracti128_si256(sums, 1),
+                );
+                let product = _mm_madd_epi16(mins, pair_sums);
+                let dmin_r = -x_d * dmin;
+                acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin_r), _mm_cvtepi32_ps(product), acc_m[r]);
+            }
+            let mut sumi = [_mm256_setzero_si256(); 4];
+            for j in 0..4 {
+                let scale_low = _mm256_shuffle_epi8(scales, scale_shuffle(2 * j));
+                let scale_high = _mm256_shuffle_epi8(scales, scale_shuffle(2 * j + 1));
+                let bits = _mm256_loadu_si256(wb.add(Q4K_VALUES_AT + 32 * j).cast());
+                let low = _mm256_and_si256(bits, nibble);
+                let high = _mm256_and_si256(_mm256_srli_epi16(bits, 4), nibble);
+                for r in 0..4 {
+                    let values = xb[r].add(Q8K_VALUES_AT + 64 * j);
+                    let xl = _mm256_loadu_si256(values.cast());
+                    let xh = _mm256_loadu_si256(values.add(32).cast());
+                    let pl = _mm256_madd_epi16(scale_low, _mm256_maddubs_epi16(low, xl));
+                    sumi[r] = _mm256_add_epi32(sumi[r], pl);
+                    let ph = _mm256_madd_epi16(scale_high, _mm256_maddubs_epi16(high, xh));
+                    sumi[r] = _mm256_add_epi32(sumi[r], ph);
+                }
+            }
+            for r in 0..4 {
+                let x_d = std::ptr::read_unaligned(xb[r].cast::<f32>());
+                let d_r = _mm256_set1_ps(x_d * d);
+                acc[r] = _mm256_fmadd_ps(d_r, _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            }
+        }
+        std::array::from_fn(|r| {
+            let m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            sum_lanes(acc[r]) + _mm_cvtss_f32(m)
+        })
+    }
+}
