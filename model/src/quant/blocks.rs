@@ -15,6 +15,7 @@ use super::dot;
 use super::interleaved::{InterleavedQ4, Nibbles};
 use super::parallel::{self, Kernels};
 use super::q4_k::{self, InterleavedQ4K};
+use super::q6_k;
 use super::q8_0::{self, InterleavedQ8};
 use crate::error::{ModelError, Result};
 
@@ -143,7 +144,7 @@ impl QuantBlocks {
             Typed::Q8_0(w) => q8_0::matmul_rows(w, shape, input, out),
             Typed::Q4K(w) => parallel::matmul(w, shape, input, out, q4_k::kernels()),
             Typed::Q5K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
-            Typed::Q6K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Typed::Q6K(w) => parallel::matmul(w, shape, input, out, q6_k::kernels()),
         })
         .ok_or_else(|| {
             ModelError::InvalidConfig(format!(

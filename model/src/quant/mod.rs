@@ -15,6 +15,7 @@ mod dot;
 mod interleaved;
 pub(crate) mod parallel;
 mod q4_k;
+mod q6_k;
 mod q8_0;
 
 pub(crate) use blocks::QuantBlocks;

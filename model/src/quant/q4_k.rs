@@ -128,7 +128,12 @@ mod x86 {
             let mins = _mm256_extracti128_si256(mins_and_scales, 1);
             let scales128 = _mm256_extracti128_si256(mins_and_scales, 0);
             let scales = _mm256_set_m128i(scales128, scales128);
-            let xb: [*const u8; 4] = x.map(|x| x.add(b * Q8K_BYTES));
+            let xb = [
+                x[0].add(b * Q8K_BYTES),
+                x[1].add(b * Q8K_BYTES),
+                x[2].add(b * Q8K_BYTES),
+                x[3].add(b * Q8K_BYTES),
+            ];
             for r in 0..4 {
                 let x_d = std::ptr::read_unaligned(xb[r].cast::<f32>());
                 let sums = _mm256_loadu_si256(xb[r].add(Q8K_SUMS_AT).cast());
@@ -163,10 +168,12 @@ mod x86 {
                 acc[r] = _mm256_fmadd_ps(d_r, _mm256_cvtepi32_ps(sumi[r]), acc[r]);
             }
         }
-        std::array::from_fn(|r| {
+        let mut out = [0f32; 4];
+        for (r, out) in out.iter_mut().enumerate() {
             let m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
             let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            sum_lanes(acc[r]) + _mm_cvtss_f32(m)
-        })
+            *out = sum_lanes(acc[r]) + _mm_cvtss_f32(m);
+        }
+        out
     }
 }
