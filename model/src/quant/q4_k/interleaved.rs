@@ -108,8 +108,13 @@ impl InterleavedQ4K {
                     dst[DMINS_AT + 2 * j..DMINS_AT + 2 * j + 2].copy_from_slice(&src[2..4]);
                     let mut packed_scales = [0u8; 12];
                     packed_scales.copy_from_slice(&src[Q4K_SCALES_AT..Q4K_SCALES_AT + 12]);
-                    let words = scales_and_mins(&packed_scales);
-                    let unpacked: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    let mut unpacked = [0u8; 16];
+                    for (bytes, word) in unpacked
+                        .chunks_exact_mut(4)
+                        .zip(scales_and_mins(&packed_scales))
+                    {
+                        bytes.copy_from_slice(&word.to_le_bytes());
+                    }
                     for s in 0..SUB_BLOCKS {
                         dst[SCALES_AT + s * UNIT + j] = unpacked[s];
                         dst[MINS_AT + s * UNIT + j] = unpacked[SUB_BLOCKS + s];
