@@ -29,6 +29,8 @@ pub(crate) fn q4_1_q8_1() -> Kernels<BlockQ4_1> {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::lanes::sum_lanes;
+
     use super::{BlockQ4_1, BlockQ8_1, Q4_1_BYTES, Q8_1_BYTES};
 
     pub fn available() -> bool {
@@ -89,14 +91,6 @@ mod x86 {
         );
         let pairs = _mm256_maddubs_epi16(values, activations);
         _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn sum_lanes(v: __m256) -> f32 {
-        let half = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-        let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)))
     }
 
     /// One weight row. Its sums are taken in the order of [`four_rows`] and

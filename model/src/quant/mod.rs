@@ -13,6 +13,8 @@
 mod blocks;
 mod dot;
 mod interleaved;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 pub(crate) mod parallel;
 mod q4_k;
 mod q6_k;

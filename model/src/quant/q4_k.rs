@@ -73,6 +73,8 @@ pub(crate) fn scales_and_mins(packed: &[u8; 12]) -> [u32; 4] {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::lanes::sum_lanes;
+
     use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
 
     use super::{Q4K_BYTES, Q4K_SCALES_AT, Q4K_VALUES_AT, Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
@@ -99,15 +101,6 @@ mod x86 {
     unsafe fn scale_shuffle(i: usize) -> __m256i {
         let low = (2 * i) as i8;
         _mm256_set1_epi16(i16::from_le_bytes([low as u8, (low + 1) as u8]))
-    }
-
-    /// Sums the eight lanes as candle's `hsum_float_8` does.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn sum_lanes(v: __m256) -> f32 {
-        let half = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-        let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)))
     }
 
     /// One weight row of `blocks` super-blocks against four activation rows.

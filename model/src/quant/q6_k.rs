@@ -30,6 +30,8 @@ pub(crate) fn kernels() -> Kernels<BlockQ6K> {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::lanes::sum_lanes;
+
     use candle_core::quantized::k_quants::{BlockQ6K, BlockQ8K};
 
     // The byte layouts (ggml's): Q6_K is 128 bytes of low nibbles, 64 of
@@ -68,15 +70,6 @@ mod x86 {
         const REPEAT: i64 = 0x0101_0101_0101_0101;
         let pick = _mm_set_epi64x((2 * i + 1) as i64 * REPEAT, (2 * i) as i64 * REPEAT);
         _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick))
-    }
-
-    /// Sums the eight lanes as candle's `hsum_float_8` does.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn sum_lanes(v: __m256) -> f32 {
-        let half = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-        let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)))
     }
 
     /// One weight row of `blocks` super-blocks against four activation rows.
