@@ -42,6 +42,11 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
     };
     let moe_figures = measure("moe", &moe)?;
     let dense_figures = measure("dense", &dense)?;
+    // The same dense block with candle's own products, side by side.
+    std::env::set_var(corolla_model::KERNELS_ENV, "candle");
+    let candle_figures = measure("dense-candle", &dense);
+    std::env::remove_var(corolla_model::KERNELS_ENV);
+    let candle_figures = candle_figures?;
     let step_ms = |f: &SpanBatching, batch: usize| {
         f.step_ms
             .iter()
@@ -51,11 +56,12 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
     let mut rows = String::new();
     for batch in BATCHES {
         rows.push_str(&format!(
-            "| {batch} | {:.2} | {:.2}× | {:.2} | {:.2}× |\n",
+            "| {batch} | {:.2} | {:.2}× | {:.2} | {:.2}× | {:.2} |\n",
             step_ms(&moe_figures, batch),
             moe_figures.speedup(batch),
             step_ms(&dense_figures, batch),
             dense_figures.speedup(batch),
+            step_ms(&candle_figures, batch),
         ));
     }
     let mb = |bytes: u64| bytes as f64 / 1e6;
@@ -67,12 +73,15 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
          experts a row uses; {:.0} MB). Decode steps of B sessions, each with 64 cached positions \
          (`BlockSpan::forward_decode_batch`, as the server's compute core runs them), medians of \
          {rounds} rounds. ×: rows per second over one session's.\n\n\
-         | B | MoE ms / step | MoE × | dense ms / step | dense × |\n|---|---|---|---|---|\n{rows}\n\
+         | B | MoE ms / step | MoE × | dense ms / step | dense × | dense, candle's products: ms / step |\n\
+         |---|---|---|---|---|---|\n{rows}\n\
          One session's step costs {:.2}× the dense twin's (the router, the rows gathered per \
          expert, {} products of width {} in place of one of {}); its {} experts are {:.1} MB of the \
          {:.0} MB. At 16 sessions the expert block reaches {:.2}× one session and the dense twin \
          {:.2}×: a batch reads each chosen expert once for every row that chose it \
-         (`model/src/experts.rs`), and {}\n",
+         (`model/src/experts.rs`), and {} The last column is the dense block with candle's own \
+         quantized products (`COROLLA_KERNELS=candle`, same run): {:.2}× Corolla's step time at one \
+         session, {:.2}× at 16.\n",
         experts.count,
         experts.intermediate_size,
         experts.per_token,
@@ -89,6 +98,8 @@ pub fn experts_section(rounds: usize) -> anyhow::Result<String> {
         moe_figures.speedup(16),
         dense_figures.speedup(16),
         q4_k_kernels(),
+        step_ms(&candle_figures, 1) / step_ms(&dense_figures, 1),
+        step_ms(&candle_figures, 16) / step_ms(&dense_figures, 16),
     ))
 }
 

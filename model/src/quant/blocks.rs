@@ -15,8 +15,8 @@ use super::dot;
 use super::interleaved::{InterleavedQ4, Nibbles};
 use super::parallel::{self, Kernels};
 use super::q4_k::{self, InterleavedQ4K};
-use super::q6_k;
 use super::q8_0::{self, InterleavedQ8};
+use super::{q5_k, q6_k};
 use crate::error::{ModelError, Result};
 
 /// The blocks of a quantized tensor in a format these kernels cover.
@@ -143,7 +143,7 @@ impl QuantBlocks {
             Typed::Q4_1(w) => parallel::matmul(w, shape, input, out, dot::q4_1_q8_1()),
             Typed::Q8_0(w) => q8_0::matmul_rows(w, shape, input, out),
             Typed::Q4K(w) => parallel::matmul(w, shape, input, out, q4_k::kernels()),
-            Typed::Q5K(w) => parallel::matmul(w, shape, input, out, Kernels::candle()),
+            Typed::Q5K(w) => parallel::matmul(w, shape, input, out, q5_k::kernels()),
             Typed::Q6K(w) => parallel::matmul(w, shape, input, out, q6_k::kernels()),
         })
         .ok_or_else(|| {

@@ -17,6 +17,7 @@ mod interleaved;
 mod lanes;
 pub(crate) mod parallel;
 mod q4_k;
+mod q5_k;
 mod q6_k;
 mod q8_0;
 

@@ -73,7 +73,7 @@ pub(crate) fn scales_and_mins(packed: &[u8; 12]) -> [u32; 4] {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::lanes::sum_lanes;
+    use super::super::lanes::{scale_shuffle, sum_lanes};
 
     use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
 
@@ -93,14 +93,6 @@ mod x86 {
         // SAFETY: `available()` held when this kernel was chosen, and
         // `blocks` blocks lie inside the weight row and each activation row.
         unsafe { four_rows(blocks, xs.as_ptr().cast(), ys.map(|y| y.as_ptr().cast())) }
-    }
-
-    /// Candle's shuffle picking scale `i` (as i16) into every lane pair.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn scale_shuffle(i: usize) -> __m256i {
-        let low = (2 * i) as i8;
-        _mm256_set1_epi16(i16::from_le_bytes([low as u8, (low + 1) as u8]))
     }
 
     /// One weight row of `blocks` super-blocks against four activation rows.
