@@ -1,4 +1,4 @@
-//! What the AVX2 kernels share.
+//! What the AVX2 kernels share (candle's order, so its bits).
 
 use std::arch::x86_64::*;
 
@@ -20,4 +20,34 @@ pub(crate) unsafe fn sum_lanes(v: __m256) -> f32 {
 pub(crate) unsafe fn scale_shuffle(i: usize) -> __m256i {
     let low = (2 * i) as u8;
     _mm256_set1_epi16(i16::from_le_bytes([low, low + 1]))
+}
+
+/// A Q4_K or Q5_K super-block's 6-bit scales and mins from their 12 bytes
+/// at `packed`, widened to 16 bits as candle widens them: the scales twice
+/// (both halves, for [`scale_shuffle`]), and the mins.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn scales_and_mins_at(packed: *const u8) -> (__m256i, __m128i) {
+    let packed: [u8; 12] = std::ptr::read_unaligned(packed.cast());
+    let [s0, s1, s2, s3] = super::k_quants::scales_and_mins(&packed);
+    let both = _mm256_cvtepu8_epi16(_mm_set_epi32(s3 as i32, s2 as i32, s1 as i32, s0 as i32));
+    let scales = _mm256_extracti128_si256(both, 0);
+    (
+        _mm256_set_m128i(scales, scales),
+        _mm256_extracti128_si256(both, 1),
+    )
+}
+
+/// Each sub-block's min times the sum of its 32 activations (the Q8_K sums
+/// of sixteen at `sums_at`, added in pairs), summed two sub-blocks to a
+/// lane, as candle's kernels compute it.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn mins_by_sums(mins: __m128i, sums_at: *const u8) -> __m128i {
+    let sums = _mm256_loadu_si256(sums_at.cast());
+    let pair_sums = _mm_hadd_epi16(
+        _mm256_extracti128_si256(sums, 0),
+        _mm256_extracti128_si256(sums, 1),
+    );
+    _mm_madd_epi16(mins, pair_sums)
 }

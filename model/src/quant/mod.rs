@@ -13,6 +13,7 @@
 mod blocks;
 mod dot;
 mod interleaved;
+mod k_quants;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 pub(crate) mod parallel;

@@ -10,89 +10,43 @@
 //! what candle's kernel gives it alone, and a session's numbers do not
 //! depend on who shares its step.
 
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
+use candle_core::quantized::k_quants::BlockQ4K;
 
 use super::parallel::Kernels;
 
-// The byte layouts (ggml's): Q4_K is `d`, `dmin` (f16), 12 bytes of packed
-// 6-bit scales and mins, 128 bytes of nibbles; Q8_K is `d` (f32), 256
-// values, 16 sums of 16 values (i16).
+// Q4_K's byte layout (ggml's): `d`, `dmin` (f16), 12 bytes of packed 6-bit
+// scales and mins, 128 bytes of nibbles.
 const Q4K_BYTES: usize = 144;
 const Q4K_SCALES_AT: usize = 4;
 const Q4K_VALUES_AT: usize = 16;
-const Q8K_BYTES: usize = 292;
-const Q8K_VALUES_AT: usize = 4;
-const Q8K_SUMS_AT: usize = 260;
-/// Values per super-block.
-const SUPER_BLOCK: usize = 256;
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == Q4K_BYTES);
-const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
 
 mod interleaved;
 
 pub(crate) use interleaved::{ActivationsQ8K, InterleavedQ4K};
 
 /// Candle's kernels, with the four-row one where the CPU runs candle's
-/// AVX2 kernel (whose bits it repeats).
+/// AVX2 kernel.
 pub(crate) fn kernels() -> Kernels<BlockQ4K> {
     #[cfg(target_arch = "x86_64")]
-    if x86::available() {
-        return Kernels {
-            batched: Some(x86::four_activations),
-            ..Kernels::candle()
-        };
-    }
+    return super::k_quants::with_four_rows(x86::four_activations);
+    #[cfg(not(target_arch = "x86_64"))]
     Kernels::candle()
-}
-
-/// The scales (low 8 bytes) and mins (high 8 bytes) of a super-block,
-/// 6 bits each, unpacked from their 12 bytes as candle does.
-#[inline]
-pub(crate) fn scales_and_mins(packed: &[u8; 12]) -> [u32; 4] {
-    const KMASK1: u32 = 0x3f3f3f3f;
-    const KMASK2: u32 = 0x0f0f0f0f;
-    const KMASK3: u32 = 0x03030303;
-    let word = |i: usize| {
-        u32::from_le_bytes([
-            packed[4 * i],
-            packed[4 * i + 1],
-            packed[4 * i + 2],
-            packed[4 * i + 3],
-        ])
-    };
-    let (a, b, c) = (word(0), word(1), word(2));
-    [
-        a & KMASK1,
-        (c & KMASK2) | (((a >> 6) & KMASK3) << 4),
-        b & KMASK1,
-        ((c >> 4) & KMASK2) | (((b >> 6) & KMASK3) << 4),
-    ]
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::lanes::{scale_shuffle, sum_lanes};
-
     use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
 
-    use super::{Q4K_BYTES, Q4K_SCALES_AT, Q4K_VALUES_AT, Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
-
-    /// Where candle takes its AVX2 kernel (`k_quants.rs`: AVX2 and FMA).
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
+    use super::super::k_quants::{four_rows_of, Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
+    use super::super::lanes::{mins_by_sums, scale_shuffle, scales_and_mins_at, sum_lanes};
+    use super::{Q4K_BYTES, Q4K_SCALES_AT, Q4K_VALUES_AT};
 
     /// [`super::super::parallel::Batched4`] for Q4_K.
     pub fn four_activations(n: usize, xs: &[BlockQ4K], ys: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        let blocks = ys
-            .iter()
-            .map(|y| y.len())
-            .fold(xs.len().min(n / super::SUPER_BLOCK), usize::min);
-        // SAFETY: `available()` held when this kernel was chosen, and
-        // `blocks` blocks lie inside the weight row and each activation row.
-        unsafe { four_rows(blocks, xs.as_ptr().cast(), ys.map(|y| y.as_ptr().cast())) }
+        four_rows_of(n, xs, ys, four_rows)
     }
 
     /// One weight row of `blocks` super-blocks against four activation rows.
@@ -106,13 +60,7 @@ mod x86 {
             let d = half::f16::from_bits(std::ptr::read_unaligned(wb.cast::<u16>())).to_f32();
             let dmin =
                 half::f16::from_bits(std::ptr::read_unaligned(wb.add(2).cast::<u16>())).to_f32();
-            let packed: [u8; 12] = std::ptr::read_unaligned(wb.add(Q4K_SCALES_AT).cast());
-            let [s0, s1, s2, s3] = super::scales_and_mins(&packed);
-            let mins_and_scales =
-                _mm256_cvtepu8_epi16(_mm_set_epi32(s3 as i32, s2 as i32, s1 as i32, s0 as i32));
-            let mins = _mm256_extracti128_si256(mins_and_scales, 1);
-            let scales128 = _mm256_extracti128_si256(mins_and_scales, 0);
-            let scales = _mm256_set_m128i(scales128, scales128);
+            let (scales, mins) = scales_and_mins_at(wb.add(Q4K_SCALES_AT));
             let xb = [
                 x[0].add(b * Q8K_BYTES),
                 x[1].add(b * Q8K_BYTES),
@@ -121,12 +69,7 @@ mod x86 {
             ];
             for r in 0..4 {
                 let x_d = std::ptr::read_unaligned(xb[r].cast::<f32>());
-                let sums = _mm256_loadu_si256(xb[r].add(Q8K_SUMS_AT).cast());
-                let pair_sums = _mm_hadd_epi16(
-                    _mm256_extracti128_si256(sums, 0),
-                    _mm256_extracti128_si256(sums, 1),
-                );
-                let product = _mm_madd_epi16(mins, pair_sums);
+                let product = mins_by_sums(mins, xb[r].add(Q8K_SUMS_AT));
                 let dmin_r = -x_d * dmin;
                 acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin_r), _mm_cvtepi32_ps(product), acc_m[r]);
             }

@@ -11,15 +11,11 @@ use candle_core::quantized::k_quants::BlockQ5K;
 use super::parallel::Kernels;
 
 /// Candle's kernels, with the four-row one where the CPU runs candle's
-/// AVX2 kernel (whose bits it repeats).
+/// AVX2 kernel.
 pub(crate) fn kernels() -> Kernels<BlockQ5K> {
     #[cfg(target_arch = "x86_64")]
-    if x86::available() {
-        return Kernels {
-            batched: Some(x86::four_activations),
-            ..Kernels::candle()
-        };
-    }
+    return super::k_quants::with_four_rows(x86::four_activations);
+    #[cfg(not(target_arch = "x86_64"))]
     Kernels::candle()
 }
 
@@ -29,36 +25,20 @@ mod x86 {
 
     use candle_core::quantized::k_quants::{BlockQ5K, BlockQ8K};
 
-    use super::super::lanes::{scale_shuffle, sum_lanes};
-    use super::super::q4_k::scales_and_mins;
+    use super::super::k_quants::{four_rows_of, Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
+    use super::super::lanes::{mins_by_sums, scale_shuffle, scales_and_mins_at, sum_lanes};
 
-    // The byte layouts (ggml's): Q5_K is `d`, `dmin` (f16), 12 bytes of
-    // packed 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
-    // low nibbles; Q8_K is `d` (f32), 256 values, 16 sums of 16 values.
+    // Q5_K's byte layout (ggml's): `d`, `dmin` (f16), 12 bytes of packed
+    // 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of low nibbles.
     const Q5K_BYTES: usize = 176;
     const Q5K_SCALES_AT: usize = 4;
     const Q5K_HIGH_AT: usize = 16;
     const Q5K_LOW_AT: usize = 48;
-    const Q8K_BYTES: usize = 292;
-    const Q8K_VALUES_AT: usize = 4;
-    const Q8K_SUMS_AT: usize = 260;
     const _: () = assert!(std::mem::size_of::<BlockQ5K>() == Q5K_BYTES);
-    const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
-
-    /// Where candle takes its AVX2 kernel (`k_quants.rs`: AVX2 and FMA).
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
 
     /// [`super::super::parallel::Batched4`] for Q5_K.
     pub fn four_activations(n: usize, xs: &[BlockQ5K], ys: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        let blocks = ys
-            .iter()
-            .map(|y| y.len())
-            .fold(xs.len().min(n / 256), usize::min);
-        // SAFETY: `available()` held when this kernel was chosen, and
-        // `blocks` blocks lie inside the weight row and each activation row.
-        unsafe { four_rows(blocks, xs.as_ptr().cast(), ys.map(|y| y.as_ptr().cast())) }
+        four_rows_of(n, xs, ys, four_rows)
     }
 
     /// The fifth bits of values `32k..32k + 32` of each of the 32 bytes of
@@ -93,13 +73,7 @@ mod x86 {
             let d = half::f16::from_bits(std::ptr::read_unaligned(wb.cast::<u16>())).to_f32();
             let dmin =
                 half::f16::from_bits(std::ptr::read_unaligned(wb.add(2).cast::<u16>())).to_f32();
-            let packed: [u8; 12] = std::ptr::read_unaligned(wb.add(Q5K_SCALES_AT).cast());
-            let [s0, s1, s2, s3] = scales_and_mins(&packed);
-            let mins_and_scales =
-                _mm256_cvtepu8_epi16(_mm_set_epi32(s3 as i32, s2 as i32, s1 as i32, s0 as i32));
-            let mins = _mm256_extracti128_si256(mins_and_scales, 1);
-            let scales128 = _mm256_extracti128_si256(mins_and_scales, 0);
-            let scales = _mm256_set_m128i(scales128, scales128);
+            let (scales, mins) = scales_and_mins_at(wb.add(Q5K_SCALES_AT));
             let high = _mm256_loadu_si256(wb.add(Q5K_HIGH_AT).cast());
             let xb = [
                 x[0].add(b * Q8K_BYTES),
@@ -109,12 +83,7 @@ mod x86 {
             ];
             for r in 0..4 {
                 let x_d = std::ptr::read_unaligned(xb[r].cast::<f32>());
-                let sums = _mm256_loadu_si256(xb[r].add(Q8K_SUMS_AT).cast());
-                let pair_sums = _mm_hadd_epi16(
-                    _mm256_extracti128_si256(sums, 0),
-                    _mm256_extracti128_si256(sums, 1),
-                );
-                let product = _mm_madd_epi16(mins, pair_sums);
+                let product = mins_by_sums(mins, xb[r].add(Q8K_SUMS_AT));
                 let total = _mm_hadd_epi32(_mm_hadd_epi32(product, zero), zero);
                 mins_total[r] += -x_d * dmin * _mm_extract_epi32(total, 0) as f32;
             }

@@ -14,15 +14,11 @@ use candle_core::quantized::k_quants::BlockQ6K;
 use super::parallel::Kernels;
 
 /// Candle's kernels, with the four-row one where the CPU runs candle's
-/// AVX2 kernel (whose bits it repeats).
+/// AVX2 kernel.
 pub(crate) fn kernels() -> Kernels<BlockQ6K> {
     #[cfg(target_arch = "x86_64")]
-    if x86::available() {
-        return Kernels {
-            batched: Some(x86::four_activations),
-            ..Kernels::candle()
-        };
-    }
+    return super::k_quants::with_four_rows(x86::four_activations);
+    #[cfg(not(target_arch = "x86_64"))]
     Kernels::candle()
 }
 
@@ -30,36 +26,22 @@ pub(crate) fn kernels() -> Kernels<BlockQ6K> {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::lanes::sum_lanes;
-
     use candle_core::quantized::k_quants::{BlockQ6K, BlockQ8K};
 
-    // The byte layouts (ggml's): Q6_K is 128 bytes of low nibbles, 64 of
-    // high bit pairs, 16 scales (i8), `d` (f16); Q8_K is `d` (f32), 256
-    // values, 16 sums of 16 values.
+    use super::super::k_quants::{four_rows_of, Q8K_BYTES, Q8K_VALUES_AT};
+    use super::super::lanes::sum_lanes;
+
+    // Q6_K's byte layout (ggml's): 128 bytes of low nibbles, 64 of high bit
+    // pairs, 16 scales (i8), `d` (f16).
     const Q6K_BYTES: usize = 210;
     const Q6K_HIGH_AT: usize = 128;
     const Q6K_SCALES_AT: usize = 192;
     const Q6K_D_AT: usize = 208;
-    const Q8K_BYTES: usize = 292;
-    const Q8K_VALUES_AT: usize = 4;
     const _: () = assert!(std::mem::size_of::<BlockQ6K>() == Q6K_BYTES);
-    const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
-
-    /// Where candle takes its AVX2 kernel (`k_quants.rs`: AVX2 and FMA).
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
 
     /// [`super::super::parallel::Batched4`] for Q6_K.
     pub fn four_activations(n: usize, xs: &[BlockQ6K], ys: [&[BlockQ8K]; 4]) -> [f32; 4] {
-        let blocks = ys
-            .iter()
-            .map(|y| y.len())
-            .fold(xs.len().min(n / 256), usize::min);
-        // SAFETY: `available()` held when this kernel was chosen, and
-        // `blocks` blocks lie inside the weight row and each activation row.
-        unsafe { four_rows(blocks, xs.as_ptr().cast(), ys.map(|y| y.as_ptr().cast())) }
+        four_rows_of(n, xs, ys, four_rows)
     }
 
     /// Scales `2i` (eight bytes) and `2i + 1` (eight bytes) of `scales`,

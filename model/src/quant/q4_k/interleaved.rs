@@ -20,9 +20,10 @@ use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
 use half::f16;
 
 use super::super::interleaved::{run_units, GROUP, GROUPS_PER_UNIT, UNIT};
+use super::super::k_quants::{scales_and_mins, SUPER_BLOCK};
+use super::super::k_quants::{Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
 use super::super::parallel::Shape;
-use super::{scales_and_mins, Q4K_BYTES, Q4K_SCALES_AT, Q4K_VALUES_AT, SUPER_BLOCK};
-use super::{Q8K_BYTES, Q8K_SUMS_AT, Q8K_VALUES_AT};
+use super::{Q4K_BYTES, Q4K_SCALES_AT, Q4K_VALUES_AT};
 use crate::error::{ModelError, Result};
 
 /// Sub-blocks of 32 values per super-block, each with a scale and a min.
