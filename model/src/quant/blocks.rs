@@ -115,20 +115,17 @@ impl QuantBlocks {
         Ok(Some(InterleavedQ4::new(format, &bytes, rows, cols)?))
     }
 
-    /// Q4_K blocks repacked for this CPU's kernel, where it has one.
+    /// Q4_K blocks repacked sixteen rows to a unit.
     pub fn interleaved_q4k(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ4K>> {
-        if self.format() != GgmlDType::Q4K || !InterleavedQ4K::supported() {
+        if self.format() != GgmlDType::Q4K {
             return Ok(None);
         }
         let bytes = self.tensor.data()?;
         Ok(Some(InterleavedQ4K::new(&bytes, rows, cols)?))
     }
 
-    /// Q8_0 blocks repacked for this CPU's kernel, where it has one.
+    /// Q8_0 blocks repacked sixteen rows to a unit.
     pub fn interleaved_q8(&self, rows: usize, cols: usize) -> Result<Option<InterleavedQ8>> {
-        if !InterleavedQ8::supported() {
-            return Ok(None);
-        }
         self.with_typed(|typed| match typed {
             Typed::Q8_0(blocks) => Some(InterleavedQ8::new(blocks, rows, cols)),
             _ => None,

@@ -36,7 +36,8 @@ use crate::error::{ModelError, Result};
 
 /// Whether this CPU's kept-quantized spans repack `format` sixteen rows to
 /// a unit for batches ([`QuantMatrix::interleaved`]), rather than keep its
-/// blocks as stored.
+/// blocks as stored: where the CPU runs the repacked layout's vector
+/// kernel (elsewhere it would fall to the portable one).
 pub fn repacked_for_batches(format: candle_core::quantized::GgmlDType) -> bool {
     use candle_core::quantized::GgmlDType;
     match format {
@@ -110,25 +111,20 @@ impl QuantMatrix {
         let Layout::Blocks(blocks) = &self.weights else {
             return Ok(self);
         };
-        if let Some(interleaved) = blocks.interleaved(self.rows, self.cols)? {
-            return Ok(QuantMatrix {
-                weights: Layout::Interleaved(Arc::new(interleaved)),
-                ..self
-            });
+        if !repacked_for_batches(blocks.format()) {
+            return Ok(self);
         }
-        if let Some(interleaved) = blocks.interleaved_q4k(self.rows, self.cols)? {
-            return Ok(QuantMatrix {
-                weights: Layout::InterleavedQ4K(Arc::new(interleaved)),
-                ..self
-            });
-        }
-        Ok(match blocks.interleaved_q8(self.rows, self.cols)? {
-            Some(interleaved) => QuantMatrix {
-                weights: Layout::InterleavedQ8(Arc::new(interleaved)),
-                ..self
-            },
-            None => self,
-        })
+        let (rows, cols) = (self.rows, self.cols);
+        let weights = if let Some(q4) = blocks.interleaved(rows, cols)? {
+            Layout::Interleaved(Arc::new(q4))
+        } else if let Some(q4k) = blocks.interleaved_q4k(rows, cols)? {
+            Layout::InterleavedQ4K(Arc::new(q4k))
+        } else if let Some(q8) = blocks.interleaved_q8(rows, cols)? {
+            Layout::InterleavedQ8(Arc::new(q8))
+        } else {
+            return Ok(self);
+        };
+        Ok(QuantMatrix { weights, ..self })
     }
 
     /// The matrices stacked by rows (one product computes all their
