@@ -14,6 +14,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use corolla_model::{BlockSpan, ModelError, SessionCache, SpanAdapter, Tensor};
+use corolla_shared::hop_trace;
 use tokio::sync::oneshot;
 
 use crate::admission::CacheBudget;
@@ -397,6 +398,8 @@ impl Scheduler {
         let size = batch.len();
         let _span = tracing::debug_span!("decode_batch", size).entered();
         let span = &self.span;
+        let block = span.range().start;
+        tracing::trace!(name: hop_trace::FORWARD_STARTED, target: hop_trace::TARGET, block);
         let outputs = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<Tensor>, ModelError> {
             let mut steps: Vec<(Tensor, usize, &mut SessionCache)> = batch
                 .iter_mut()
@@ -404,6 +407,7 @@ impl Scheduler {
                 .collect();
             span.forward_decode_batch(&mut steps)
         }));
+        tracing::trace!(name: hop_trace::FORWARD_DONE, target: hop_trace::TARGET, block);
         self.stats.decode_batches.fetch_add(1, Ordering::Relaxed);
         self.stats
             .decode_steps

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use corolla_shared::framing::write_frame;
+use corolla_shared::hop_trace;
 use corolla_shared::protocol::{PushStep, PushTarget, SessionToken, StepHeader, PUSH_PROTOCOL};
 use corolla_shared::push_proof::{view_digest, PushProof, PushSender, PushedStep};
 use corolla_shared::TensorPayload;
@@ -142,6 +143,7 @@ impl PushLink {
                 return false;
             }
         };
+        tracing::trace!(name: hop_trace::PUSH_SIGNED, target: hop_trace::TARGET, "hop stage");
         let frame = PushStep::encode(*token, &onward, &proof, output);
         let sent = tokio::time::timeout(PUSH_WRITE_TIMEOUT, async {
             if self.open.as_ref().is_none_or(|(open, _)| open != peer) {
@@ -158,7 +160,10 @@ impl PushLink {
         })
         .await;
         match sent {
-            Ok(Ok(())) => true,
+            Ok(Ok(())) => {
+                tracing::trace!(name: hop_trace::PUSH_SENT, target: hop_trace::TARGET, "hop stage");
+                true
+            }
             Ok(Err(e)) => {
                 tracing::debug!(%peer, error = %e, "a push failed; the client carries the output");
                 self.open = None;

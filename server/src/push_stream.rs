@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use corolla_shared::framing::{write_frame, FrameReader};
+use corolla_shared::hop_trace;
 use corolla_shared::protocol::{ErrorCode, PushStep, Response, PUSH_PROTOCOL};
 use corolla_shared::push_proof::PushSender;
 use futures::{AsyncWriteExt, StreamExt};
@@ -77,11 +78,13 @@ async fn serve_pushes(mut stream: Stream, peer: PeerId, settings: Arc<HostSettin
                 break;
             }
         };
+        tracing::trace!(name: hop_trace::PUSH_READ, target: hop_trace::TARGET, "hop stage");
         let refusal = match PushStep::decode(frame, limits) {
             Err(e) => Some((ErrorCode::BadFrame, format!("malformed push: {e}"))),
             Ok(push) => match check_proof(&sender, &push) {
                 Err(why) => Some((ErrorCode::BadFrame, why)),
                 Ok(()) => {
+                    tracing::trace!(name: hop_trace::PUSH_CHECKED, target: hop_trace::TARGET, "hop stage");
                     let pushed = Pushed {
                         from: peer,
                         header: push.header,

@@ -17,6 +17,7 @@ pub mod coverage;
 pub mod error_kind;
 pub mod flow;
 pub mod framing;
+pub mod hop_trace;
 pub mod limits;
 pub mod manifest;
 #[cfg(feature = "native")]

@@ -17,6 +17,7 @@ use corolla_model::{
 };
 use corolla_shared::WireDType;
 
+use crate::hop_timeline::{self, HopStages};
 use crate::{median, spread};
 
 pub const COMPUTE_HEADING: &str = "## Compute: Corolla against llama.cpp on the same GGUF";
@@ -166,6 +167,7 @@ pub async fn bench_compute(
     let (mut corolla_tokens, mut llama_tokens, mut dequantized_tokens, mut swarm_tokens) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut llama_variant = None;
+    let mut hops: Vec<HopStages> = Vec::new();
     for round in 0..=rounds {
         for k in 0..RUNS.len() {
             let which = (round + k) % RUNS.len();
@@ -194,11 +196,17 @@ pub async fn bench_compute(
                 4 => {
                     let mut chain =
                         RemoteChain::connect(&node, settings.clone(), &Device::Cpu).await?;
+                    hop_timeline::recorder().start();
                     let out = generate(&kept.head, &mut chain, &request, |_| {
                         ControlFlow::Continue(())
                     })
-                    .await?;
+                    .await;
+                    let stages = hop_timeline::recorder().stop();
+                    let out = out?;
                     chain.close().await;
+                    if round > 0 {
+                        hops.push(stages);
+                    }
                     swarm_tokens = out.generated_ids.clone();
                     rates_of(&out)
                 }
@@ -235,6 +243,7 @@ pub async fn bench_compute(
     let agree_llama = common_prefix(&corolla_tokens, &llama_tokens);
     let agree_float = common_prefix(&corolla_tokens, &dequantized_tokens);
     let agree_swarm = common_prefix(&corolla_tokens, &swarm_tokens);
+    let timeline = hop_section(&HopStages::merged(&hops), medians[1], medians[4]);
     Ok(format!(
         "{COMPUTE_HEADING}\n\n\
          Command: `corolla-bench --compute --rounds {rounds} --new-tokens {new_tokens} --write BENCHMARKS.md` \
@@ -248,7 +257,7 @@ pub async fn bench_compute(
          - swarm / local, kept quantized: **{:.2}×** (target >= 0.9); the rounds' own ratios: {lowest:.2} to {highest:.2}\n\
          - greedy tokens: Corolla kept quantized and llama.cpp agree on the first {agree_llama} of {new_tokens}; \
          kept quantized and dequantized agree on the first {agree_float}; the kept-quantized swarm and the local \
-         run on the first {agree_swarm}\n",
+         run on the first {agree_swarm}\n{timeline}",
         model.file_name().map_or(model_arg.clone(), |n| n.to_string_lossy().into_owned()),
         request.prompt_ids.len(),
         llama_variant.map_or(String::new(), |v| format!(
@@ -263,4 +272,29 @@ pub async fn bench_compute(
         medians[1] / llama_best,
         medians[4] / medians[1],
     ))
+}
+
+/// Where the swarm's token goes, against the local run's: the stages'
+/// means over the swarm rounds, and what 0.9x would leave for them.
+fn hop_section(stages: &HopStages, local_rate: f64, swarm_rate: f64) -> String {
+    if stages.tokens == 0 {
+        return "\nWhere a swarm token's time goes: no pushed decode step was recorded whole.\n"
+            .into();
+    }
+    let local_us = 1e6 / local_rate;
+    let swarm_us = 1e6 / swarm_rate;
+    let between = stages.between_us();
+    let own = stages.total_us() - between;
+    format!(
+        "\nWhere a swarm token's time goes ({} decode tokens of the swarm rounds through {} servers, mean µs per token; \
+         the client and the servers emit `corolla::hop` trace events at each stage, which the benchmark timestamps):\n\n{}\n\
+         - the forwards and the client's own time: {own:.0} µs a token, the local run's whole token: {local_us:.0} µs\n\
+         - the network and the hand-offs between them: **{between:.0} µs** a token ({:.0}% of the swarm's {swarm_us:.0} µs); \
+         for 0.9× they would have to fit in {:.0} µs\n",
+        stages.tokens,
+        stages.servers,
+        stages.table(),
+        100.0 * between / swarm_us,
+        (local_us / 0.9 - own).max(0.0),
+    )
 }

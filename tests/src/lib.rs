@@ -8,6 +8,7 @@ pub mod compute_bench;
 pub mod demo_swarm;
 pub mod experts_bench;
 pub mod forwarder;
+pub mod hop_timeline;
 pub mod hostile;
 pub mod nat;
 pub mod netns;

@@ -6,6 +6,7 @@
 //! returned: a server that pushes other numbers than it returns is the one
 //! blamed, never the server after it.
 
+use corolla_shared::hop_trace;
 use corolla_shared::protocol::{PushTarget, StepHeader};
 use corolla_shared::push_proof::{judge, PushVerdict, PushedStep};
 use corolla_shared::session::{SessionError, StepReply};
@@ -200,6 +201,7 @@ impl RemoteChain {
         let mut replies: Vec<StepReply> = Vec::with_capacity(reach);
         let mut verdicts = Vec::with_capacity(reach);
         let mut last = Instant::now();
+        tracing::trace!(name: hop_trace::CLIENT_SENT, target: hop_trace::TARGET, "hop stage");
         if let Err(e) = self.hops[0].sessions[0].1.send_step(&header, input).await {
             return (replies, verdicts, Some(PushStop::Failed(0, e)));
         }
@@ -207,6 +209,7 @@ impl RemoteChain {
             let (hop, session) = &mut self.hops[index].sessions[0];
             match session.receive_output(step_id, input).await {
                 Ok(reply) => {
+                    tracing::trace!(name: hop_trace::CLIENT_RECEIVED, target: hop_trace::TARGET, hop = index);
                     if decode {
                         // From the previous output to this one: one link and
                         // this hop's compute, what routing compares.

@@ -2,6 +2,7 @@
 //! next server when the Open named one, and answered.
 
 use corolla_model::wire::{candle_dtype, from_view, to_payload};
+use corolla_shared::hop_trace;
 use corolla_shared::protocol::{ErrorCode, Response, StepHeader};
 use corolla_shared::push_proof::PushProof;
 use corolla_shared::{TensorPayload, TensorView};
@@ -39,11 +40,14 @@ pub(super) async fn run_step(
         return (Some(s), Err((ErrorCode::BadFrame, why)));
     }
     let arrived = Instant::now();
+    let block = ctx.core.span().range().start;
+    tracing::trace!(name: hop_trace::STEP_ARRIVED, target: hop_trace::TARGET, block);
     let (mut s, out) = step(ctx, s, header.start_position as usize, hidden).await;
     let out = match out {
         Ok(out) => out,
         Err(e) => return (s, Err(e)),
     };
+    tracing::trace!(name: hop_trace::OUTPUT_READY, target: hop_trace::TARGET, block);
     // A computed step passed `check_step`: its shape is [1, T, hidden].
     let positions = hidden.shape.get(1).copied().unwrap_or(0);
     ctx.settings.metrics.step_served(
