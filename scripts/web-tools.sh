@@ -60,7 +60,7 @@ web_tools() {
     fi
 }
 
-# Builds the page into dist/: corolla-wasm in release by trunk, then
+# Builds the page into dist/: corolla-wasm by trunk (Cargo.toml's `web` profile), then
 # wasm-opt -Oz. trunk's own wasm-opt step is off: Debian's binaryen 108
 # breaks wasm-bindgen 0.2.108's module (its externref table), and npm's
 # binaryen 132 runs as WebAssembly under Node (~3 minutes), so its output is

@@ -111,9 +111,14 @@ background thread and with memory in proportion. The worker's message loop was o
 had inlined every function with one caller into it; inlining those only up to 1000 bytes brought the cold peak \
 to 295-301 MB. `--js-flags=--trace-wasm-compilation-times` then showed 48 MB of compiler memory for candle's \
 argmax (73 KB, every dtype's loop in one function) and 26 MB for the worker's call dispatch (52 KB). Greedy \
-sampling now takes a plain loop and each worker call is a function of its own: the largest recompile takes 25 MB \
-(a stream's poll on the page's thread) and the cold peak stays within a few \
-MB of the resting memory. The warm run is a reload in the same renderer: its peak also holds what is left of the \
+sampling now takes a plain loop and each worker call is a function of its own. Its largest recompiles still took \
+17-25 MB each (the libp2p swarm's stream poll, 38 KB, and Kademlia's, 29 KB, the generate loop, 29 KB: LLVM at \
+opt-level 3 inlines whole call trees into async functions), and CI runs still saw cold peaks of 333-341 MB now \
+and then, where several of them overlapped. The page is now built in Cargo.toml's `web` profile: opt-level 3 for \
+the head's math (corolla-model, candle-core, half) and for sha2 (every downloaded part is hashed as it \
+arrives), `s` for the rest. Measured with the trace flag: the largest recompile takes 15 MB (the worker's call \
+dispatch, 28 KB), the module is 6.5 MB instead of 7.7, the resting memory ~4 MB less, and ready and first-token \
+times are the same as at opt-level 3 (alternating runs). The warm run is a reload in the same renderer: its peak also holds what is left of the \
 previous document until its isolate's memory is released (265-313 MB over several runs for llama-2-70b), and its \
 resting memory is the cold one's. llama-3-70b misses its 700 MB: 591 MB of it is the Q4_K head itself, ~20 MB the \
 128k-token tokenizer, ~40 MB the worker's wasm memory above its heap's live bytes (what building that tokenizer \
