@@ -99,6 +99,23 @@ impl PageRun {
         self.event("ready")?["system"].as_str().map(str::to_string)
     }
 
+    /// Whether the run failed before any token with only network-change
+    /// errors on its page (see [`run_page_with`]).
+    fn lost_to_a_network_change(&self) -> bool {
+        let errors = self
+            .event("page_errors")
+            .and_then(|e| e["errors"].as_array())
+            .filter(|errors| !errors.is_empty());
+        !self.success
+            && self.event("token").is_none()
+            && errors.is_some_and(|errors| {
+                errors.iter().all(|e| {
+                    e.as_str()
+                        .is_some_and(|e| e.contains("ERR_NETWORK_CHANGED"))
+                })
+            })
+    }
+
     /// Whether the page fit its viewport's width (no sideways scrolling).
     pub fn fits_width(&self) -> bool {
         self.event("layout").is_some_and(|e| {
@@ -125,6 +142,12 @@ pub fn run_page(
 
 /// [`run_page`] with more of chat.mjs's options (`--stop-after-tokens N`,
 /// `--viewport WxH`).
+///
+/// A run whose page lost a load to `ERR_NETWORK_CHANGED` before its first
+/// token runs once more: the kernel removes an earlier test's namespace
+/// (and its veth) in the background, seconds later, and Chromium aborts
+/// its loads when it sees a link go; chat.mjs retries a navigation so, but
+/// a module or a part of the model loading then fails as well.
 pub fn run_page_with(
     url: &str,
     prompts: &[&str],
@@ -132,6 +155,36 @@ pub fn run_page_with(
     name: &str,
     options: &[&str],
     mut on_first_token: impl FnMut(),
+) -> PageRun {
+    let run = run_page_once(
+        url,
+        prompts,
+        max_new_tokens,
+        name,
+        options,
+        &mut on_first_token,
+    );
+    if !run.lost_to_a_network_change() {
+        return run;
+    }
+    eprintln!("[browser] {name}: a load failed with ERR_NETWORK_CHANGED before any token; running the page again");
+    run_page_once(
+        url,
+        prompts,
+        max_new_tokens,
+        name,
+        options,
+        &mut on_first_token,
+    )
+}
+
+fn run_page_once(
+    url: &str,
+    prompts: &[&str],
+    max_new_tokens: usize,
+    name: &str,
+    options: &[&str],
+    on_first_token: &mut impl FnMut(),
 ) -> PageRun {
     let screenshot = artifacts_dir().join(format!("{name}.png"));
     let mut cmd = Command::new("node");
