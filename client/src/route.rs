@@ -68,11 +68,7 @@ impl RouteCosts {
     pub(crate) fn hop_cost(&self, r: &ServerRecord, start: usize, end: usize) -> f64 {
         let expected = match self.measured_step.get(&r.peer_id) {
             Some(per_block) => per_block * (end - start) as f64,
-            None => {
-                let rtt = self.rtt.get(&r.peer_id).copied().unwrap_or(DEFAULT_RTT);
-                let span = (r.end - r.start).max(1) as f64;
-                rtt + (end - start) as f64 / (r.throughput.max(1e-9) * span)
-            }
+            None => announced_seconds(r, start, end, self.rtt.get(&r.peer_id).copied()),
         };
         let penalty = if (r.cache_tokens_left as usize) < self.max_length {
             SHORT_OF_CACHE_PENALTY
@@ -101,6 +97,18 @@ impl RouteCosts {
         let steps = self.max_length.saturating_sub(self.prompt_tokens).max(1);
         prefill / steps as f64
     }
+}
+
+/// Seconds per step for blocks `start..end` on `r` by its announced speed
+/// and the round trip `rtt` measured to it (`None`: [`DEFAULT_RTT`]).
+pub(crate) fn announced_seconds(
+    r: &ServerRecord,
+    start: usize,
+    end: usize,
+    rtt: Option<f64>,
+) -> f64 {
+    let span = (r.end - r.start).max(1) as f64;
+    rtt.unwrap_or(DEFAULT_RTT) + (end - start) as f64 / (r.throughput.max(1e-9) * span)
 }
 
 /// Whether two route costs differ only by float rounding.

@@ -19,15 +19,18 @@ use corolla_model::fingerprint::{keeps_quantized, span_hash};
 
 use crate::error::ClientError;
 use crate::route::{
-    matching_servers, plan_route_between, uncovered_blocks, update_rtt_average, Hop, RouteCosts,
+    announced_seconds, matching_servers, plan_route_between, uncovered_blocks, update_rtt_average,
+    Hop, RouteCosts,
 };
 use crate::session_settings::SessionSettings;
 
 mod bans;
 mod dialing;
+mod push_faults;
 use bans::RecordShape;
 pub use dialing::can_dial;
 use dialing::unreachable_reason;
+pub use push_faults::PushBlame;
 
 /// A lookup older than this is refreshed in the background at the next use.
 const REFRESH_PERIOD: Duration = Duration::from_secs(30);
@@ -93,6 +96,11 @@ struct ViewState {
     /// Spot checks each server's output passed, by peer id: a server this
     /// client has seldom checked is checked more often.
     clean_checks: HashMap<String, u32>,
+    /// Pushers whose pushes did not reach the next server -> (failures,
+    /// not pushed through until): their outputs go through the client.
+    push_faults: HashMap<String, (u32, Instant)>,
+    /// Receivers -> the pushers whose pushes they did not get, and when.
+    push_misses: HashMap<String, Vec<(String, Instant)>>,
     refreshing: bool,
 }
 
@@ -399,6 +407,22 @@ impl SwarmView {
     pub fn measured_seconds(&self, hop: &Hop) -> Option<f64> {
         let per_block = *self.state().step_per_block.get(&hop.peer_id)?;
         Some(per_block * (hop.end - hop.start) as f64)
+    }
+
+    /// Seconds a decode step of `hop` is expected to take, one link
+    /// included: as measured, else as its server announced; without the
+    /// penalties route planning adds (a deadline, not a preference).
+    pub fn expected_step_seconds(&self, hop: &Hop) -> f64 {
+        if let Some(measured) = self.measured_seconds(hop) {
+            return measured;
+        }
+        let state = self.state();
+        let rtt = state.rtt.get(&hop.peer_id).copied();
+        state
+            .records
+            .iter()
+            .find(|r| r.peer_id == hop.peer_id)
+            .map_or(0.0, |r| announced_seconds(r, hop.start, hop.end, rtt))
     }
 
     /// Seconds a decode step through `route` is expected to take: what

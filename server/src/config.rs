@@ -249,6 +249,13 @@ pub struct ServerArgs {
     /// the pusher and never the server after it.
     #[arg(long, env = "COROLLA_CORRUPT_PUSHES", default_value_t = 0.0, value_parser = parse_rate)]
     pub corrupt_pushes: f64,
+    /// TESTING AID, never for a real swarm: answer the client honestly but
+    /// fail every push to the next server: `silent` (say pushed, send
+    /// nothing), `forged` (a proof another key signed), `replayed` (the
+    /// previous step's push again) or `late:MS` (the honest push, MS late),
+    /// to test that clients blame the pusher and never the server after it.
+    #[arg(long, env = "COROLLA_PUSH_FAULT")]
+    pub push_fault: Option<crate::push_fault::PushFault>,
     /// TESTING AID, never for a real swarm: answer every step this many
     /// milliseconds late without counting it in the announced speed (a
     /// server slower than it claims), to test that clients leave it.

@@ -29,6 +29,8 @@ pub(crate) struct HostSettings {
     pub corrupt_outputs: f64,
     /// `--corrupt-pushes` (a testing aid).
     pub corrupt_pushes: f64,
+    /// `--push-fault` (a testing aid).
+    pub push_fault: Option<crate::push_fault::PushFault>,
     /// `--late-steps-ms` (a testing aid).
     pub late_steps: Duration,
     pub compute: ComputeSettings,

@@ -25,6 +25,7 @@ mod metrics;
 mod monitor;
 mod placement;
 mod push;
+pub mod push_fault;
 mod push_stream;
 mod quota;
 mod rebalance;

@@ -5,7 +5,9 @@
 //! the server gave that session's client alone, and with its sender's
 //! signed digest of what it carries (`corolla_shared::push_proof`), which
 //! the session returns to its client with the output; whatever arrives is
-//! checked like a client's step, by the session it is for.
+//! checked like a client's step, by the session it is for. A push refused
+//! for want of a valid proof is reported to that session as well, which
+//! tells its client: the pusher is to blame, not the session that waited.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -36,17 +38,33 @@ pub(crate) struct Pushed {
     pub hidden: TensorPayload,
 }
 
+/// What reaches a session's inbox.
+#[derive(Debug)]
+pub(crate) enum InboxItem {
+    /// A step pushed to the session, its proof checked.
+    Step(Pushed),
+    /// A push for the session refused on the push stream (the pusher was
+    /// told why; the session tells its client).
+    Refused {
+        from: PeerId,
+        step_id: u32,
+        reason: String,
+    },
+}
+
+type InboxSender = mpsc::Sender<InboxItem>;
+
 /// The sessions open for pushes, by token.
 #[derive(Default)]
 pub(crate) struct PushInboxes {
-    inboxes: Mutex<HashMap<SessionToken, mpsc::Sender<Pushed>>>,
+    inboxes: Mutex<HashMap<SessionToken, InboxSender>>,
 }
 
 /// A session's place in [`PushInboxes`]; dropping it closes the inbox.
 pub(crate) struct Inbox {
     inboxes: Arc<PushInboxes>,
     token: SessionToken,
-    pub receiver: mpsc::Receiver<Pushed>,
+    pub receiver: mpsc::Receiver<InboxItem>,
 }
 
 impl Drop for Inbox {
@@ -56,7 +74,7 @@ impl Drop for Inbox {
 }
 
 impl PushInboxes {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionToken, mpsc::Sender<Pushed>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionToken, InboxSender>> {
         self.inboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -85,12 +103,34 @@ impl PushInboxes {
             .get(&token)
             .cloned()
             .ok_or_else(|| "no open session has this push token".to_string())?;
-        sender.try_send(pushed).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => {
-                format!("the session already holds {INBOX_CAPACITY} pushed steps")
-            }
-            mpsc::error::TrySendError::Closed(_) => "the session has ended".to_string(),
-        })
+        sender
+            .try_send(InboxItem::Step(pushed))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    format!("the session already holds {INBOX_CAPACITY} pushed steps")
+                }
+                mpsc::error::TrySendError::Closed(_) => "the session has ended".to_string(),
+            })
+    }
+
+    /// Tells the session of `token`, if one is open, that a push for its
+    /// step `step_id` from `from` was refused. Best effort: a full inbox
+    /// already holds what its client will read first.
+    pub(crate) fn report_refusal(
+        &self,
+        token: SessionToken,
+        from: PeerId,
+        step_id: u32,
+        reason: &str,
+    ) {
+        let Some(sender) = self.lock().get(&token).cloned() else {
+            return;
+        };
+        let _ = sender.try_send(InboxItem::Refused {
+            from,
+            step_id,
+            reason: reason.to_string(),
+        });
     }
 
     #[cfg(test)]

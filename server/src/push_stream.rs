@@ -82,7 +82,15 @@ async fn serve_pushes(mut stream: Stream, peer: PeerId, settings: Arc<HostSettin
         let refusal = match PushStep::decode(frame, limits) {
             Err(e) => Some((ErrorCode::BadFrame, format!("malformed push: {e}"))),
             Ok(push) => match check_proof(&sender, &push) {
-                Err(why) => Some((ErrorCode::BadFrame, why)),
+                Err(why) => {
+                    // Its session's client hears of it too: it carries the
+                    // step itself and blames this sender.
+                    let step_id = push.header.step_id;
+                    settings
+                        .pushes
+                        .report_refusal(push.token, peer, step_id, &why);
+                    Some((ErrorCode::BadFrame, why))
+                }
                 Ok(()) => {
                     tracing::trace!(name: hop_trace::PUSH_CHECKED, target: hop_trace::TARGET, "hop stage");
                     let pushed = Pushed {

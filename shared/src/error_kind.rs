@@ -108,7 +108,9 @@ impl SessionError {
             | SessionError::Unexpected { .. }
             | SessionError::BadOutput { .. }
             | SessionError::Caught { .. }
-            | SessionError::PushLie { .. } => ErrorKind::BadServer,
+            | SessionError::PushLie { .. }
+            | SessionError::PushRefused { .. }
+            | SessionError::PushUndelivered { .. } => ErrorKind::BadServer,
         }
     }
 }

@@ -23,7 +23,11 @@
 //! cost many steps). Every push carries the sender's signed digest of what
 //! it pushed ([`crate::push_proof`]), which the receiver checks and returns
 //! in its `StepOut` (`input_proof`), so the client can tell a sender that
-//! pushed other numbers than it returned from a receiver that lies.
+//! pushed other numbers than it returned from a receiver that lies. A push
+//! the receiver refuses (a proof that does not hold, a step its session
+//! already passed) is reported to the session's client too, unasked
+//! (`PushRefused{step_id, reason}`): the client then carries that step
+//! itself and blames the pusher, never the receiver that waited for it.
 //!
 //! Every message is one length-prefixed frame (see [`crate::framing`]):
 //! a tag byte, then its fields, little-endian. Decoding checks every field
@@ -195,6 +199,17 @@ pub enum Response<'a> {
         code: ErrorCode,
         message: String,
     },
+    /// A push for this session's step `step_id` did not get in (a proof
+    /// that does not hold, a step already passed): sent unasked, so that
+    /// the client carries that step itself at once and blames the pusher
+    /// rather than waiting for an output that cannot come.
+    PushRefused {
+        step_id: u32,
+        /// Who pushed it (the receiver's word: the client blames its own
+        /// route's pusher only when this names it).
+        from: libp2p::PeerId,
+        reason: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -234,6 +249,7 @@ mod tag {
     pub const OPENED: u8 = 101;
     pub const STEP_OUT: u8 = 102;
     pub const ERROR: u8 = 103;
+    pub const PUSH_REFUSED: u8 = 104;
 }
 
 fn dtype_code(d: WireDType) -> u8 {
@@ -471,6 +487,16 @@ impl Response<'_> {
                 out.extend_from_slice(&code.code().to_le_bytes());
                 put_str(&mut out, message, MAX_MESSAGE_LEN);
             }
+            Response::PushRefused {
+                step_id,
+                from,
+                reason,
+            } => {
+                out.push(tag::PUSH_REFUSED);
+                out.extend_from_slice(&step_id.to_le_bytes());
+                put_peer(&mut out, from);
+                put_str(&mut out, reason, MAX_MESSAGE_LEN);
+            }
         }
         out
     }
@@ -500,6 +526,11 @@ impl<'a> Response<'a> {
             tag::ERROR => Response::Error {
                 code: ErrorCode::from_code(r.u16()?)?,
                 message: r.string(MAX_MESSAGE_LEN)?,
+            },
+            tag::PUSH_REFUSED => Response::PushRefused {
+                step_id: r.u32()?,
+                from: r.peer_id()?,
+                reason: r.string(MAX_MESSAGE_LEN)?,
             },
             other => return Err(ProtocolError::UnknownTag(other)),
         };

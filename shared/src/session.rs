@@ -7,7 +7,7 @@ use futures::AsyncWriteExt;
 use libp2p::PeerId;
 
 use crate::flow::{write_frame_in_pieces, FlowReceiver};
-use crate::framing::{read_frame, write_frame};
+use crate::framing::{read_frame, write_frame, FrameReader};
 use crate::limits::Limits;
 use crate::protocol::{
     encode_step_with, ErrorCode, OpenRequest, ProtocolError, Request, Response, SessionToken,
@@ -56,6 +56,16 @@ pub enum SessionError {
     /// them (see [`crate::push_proof`]).
     #[error("{peer} pushed other activations to the next server than it returned (its signed push proof shows it)")]
     PushLie { peer: PeerId },
+    /// The server refused what was pushed to it for the step (a proof that
+    /// does not hold, a step already passed): the pusher's fault, which the
+    /// client charges to the pusher after carrying the step itself.
+    #[error("{peer} refused the push it got for the step: {message}")]
+    PushRefused { peer: PeerId, message: String },
+    /// The server said it pushed its output on, but no valid push reached
+    /// the next server in time (the next server then answered the step
+    /// the client carried to it).
+    #[error("{peer} did not deliver its push to the next server: {message}")]
+    PushUndelivered { peer: PeerId, message: String },
 }
 
 impl SessionError {
@@ -77,7 +87,9 @@ impl SessionError {
             | SessionError::Timeout { peer, .. }
             | SessionError::BadOutput { peer, .. }
             | SessionError::Caught { peer }
-            | SessionError::PushLie { peer } => *peer,
+            | SessionError::PushLie { peer }
+            | SessionError::PushRefused { peer, .. }
+            | SessionError::PushUndelivered { peer, .. } => *peer,
         }
     }
 }
@@ -87,7 +99,14 @@ pub struct RemoteSession {
     /// proofs speak for (decoded once).
     server: PushSender,
     stream: libp2p::Stream,
+    /// Frames without flow control, read cancel-safely: a step whose wait
+    /// ran out (a push that never came) leaves the stream in step.
+    reader: FrameReader,
+    /// Frames under flow control.
     buf: Vec<u8>,
+    /// A flow-controlled read was cut off by its deadline part way: the
+    /// stream is out of step and the session cannot be used again.
+    flow_read_cut: bool,
     limits: Limits,
     timeout: Duration,
     step_timeout: Option<StepTimeout>,
@@ -102,6 +121,9 @@ pub struct RemoteSession {
     compression: Compression,
     /// The one server this session may push to, named at Open.
     next: Option<PeerId>,
+    /// The last pushed step whose answer came after the client had given
+    /// up waiting for it (skipped as late): the push did arrive.
+    late_pushed_answer: Option<u32>,
 }
 
 /// A step's output as the server answered it.
@@ -170,7 +192,9 @@ impl RemoteSession {
         let mut session = RemoteSession {
             server: PushSender::new(peer),
             stream,
+            reader: FrameReader::new(0),
             buf: Vec::new(),
+            flow_read_cut: false,
             // Until the first step: an answer to Open is a few bytes.
             limits: Limits {
                 max_tensor_bytes: 0,
@@ -183,6 +207,7 @@ impl RemoteSession {
             step_id: 0,
             compression,
             next,
+            late_pushed_answer: None,
         };
         let frame = Request::Open(request).encode();
         let token = match session.exchange(&frame, timeout).await? {
@@ -286,8 +311,25 @@ impl RemoteSession {
         step_id: u32,
         input: &TensorPayload,
     ) -> Result<StepReply, SessionError> {
+        let deadline = self.step_deadline(input);
+        self.receive_output_within(step_id, input, deadline, None)
+            .await
+    }
+
+    /// [`Self::receive_output`] waiting at most `wait` (and never past the
+    /// step's deadline) for a step `pusher` was to push to this session: the
+    /// server's word that it refused that push is
+    /// [`SessionError::PushRefused`]. A wait that runs out leaves the
+    /// session usable when [`Self::in_step`] says so.
+    pub async fn receive_output_within(
+        &mut self,
+        step_id: u32,
+        input: &TensorPayload,
+        wait: Duration,
+        pusher: Option<PeerId>,
+    ) -> Result<StepReply, SessionError> {
         self.step_id = step_id;
-        let timeout = self.step_deadline(input);
+        let timeout = wait.min(self.step_deadline(input));
         self.limits = Limits {
             max_tensor_bytes: input.data.len() as u64,
             ..Limits::DEFAULT
@@ -304,6 +346,9 @@ impl RemoteSession {
                 } => {
                     if id != step_id {
                         if id < step_id {
+                            if input_proof.is_some() {
+                                self.late_pushed_answer = Some(id);
+                            }
                             continue;
                         }
                         return Err(bad(format!(
@@ -322,6 +367,26 @@ impl RemoteSession {
                         input_proof,
                         digest: pushed.then(|| view_digest(&out)),
                     }
+                }
+                Response::PushRefused {
+                    step_id: id,
+                    from,
+                    reason,
+                } => {
+                    // Late news of an earlier step, or of a push from a
+                    // server this session's route does not put before it.
+                    if id < step_id || Some(from) != pusher {
+                        continue;
+                    }
+                    if id > step_id {
+                        return Err(bad(format!(
+                            "a refused push of step {id}, while step {step_id} was the last sent"
+                        )));
+                    }
+                    return Err(SessionError::PushRefused {
+                        peer,
+                        message: reason,
+                    });
                 }
                 _ => return Err(SessionError::Unexpected { peer }),
             };
@@ -364,27 +429,52 @@ impl RemoteSession {
         self.read_response(timeout).await
     }
 
+    /// Whether this session's server answered the pushed step `step_id`
+    /// after all, once the client no longer waited for it: the push came,
+    /// late (or the server computed slowly).
+    pub fn answered_late(&self, step_id: u32) -> bool {
+        self.late_pushed_answer == Some(step_id)
+    }
+
+    /// Whether the stream is between frames (or in a frame the next read
+    /// resumes), so that the session can go on after a wait ran out.
+    pub fn in_step(&self) -> bool {
+        !self.flow_read_cut
+    }
+
     async fn read_response(&mut self, timeout: Duration) -> Result<Response<'_>, SessionError> {
         let peer = self.peer();
         let io = |source| SessionError::Io { peer, source };
         let max = self.limits.max_frame_bytes();
-        let got = with_timeout(timeout, async {
-            match &mut self.flow {
-                Some(flow) => flow
-                    .read_frame(&mut self.stream, max, &mut self.buf)
+        let timed_out = |_| SessionError::Timeout { peer, timeout };
+        let got = match &mut self.flow {
+            Some(flow) => {
+                self.flow_read_cut = true;
+                let read = flow.read_frame(&mut self.stream, max, &mut self.buf);
+                let got = with_timeout(timeout, read)
                     .await
-                    .map_err(io),
-                None => read_frame(&mut self.stream, max, &mut self.buf)
-                    .await
-                    .map_err(io),
+                    .map_err(timed_out)?
+                    .map_err(io)?;
+                self.flow_read_cut = false;
+                got
             }
-        })
-        .await
-        .map_err(|_| SessionError::Timeout { peer, timeout })??;
+            None => {
+                self.reader.set_max_len(max);
+                with_timeout(timeout, self.reader.next_frame(&mut self.stream))
+                    .await
+                    .map_err(timed_out)?
+                    .map_err(io)?
+                    .is_some()
+            }
+        };
         if !got {
             return Err(SessionError::Closed { peer });
         }
-        match Response::decode(&self.buf, &self.limits) {
+        let frame = match self.flow {
+            Some(_) => &self.buf[..],
+            None => self.reader.frame(),
+        };
+        match Response::decode(frame, &self.limits) {
             Ok(Response::Error { code, message }) => Err(SessionError::Remote {
                 peer,
                 code,

@@ -47,11 +47,19 @@ pub async fn read_reply(stream: &mut Stream, timeout: Duration) -> Reply {
     if !got {
         return None;
     }
-    Some(match Response::decode(&buf, &Limits::DEFAULT).ok()? {
+    Some(describe(Response::decode(&buf, &Limits::DEFAULT).ok()?))
+}
+
+/// A server's answer as its error code (None for success) and a text.
+pub fn describe(response: Response<'_>) -> (Option<ErrorCode>, String) {
+    match response {
         Response::Error { code, message } => (Some(code), message),
         Response::Opened { max_length, .. } => (None, format!("opened {max_length}")),
         Response::StepOut { hidden, .. } => (None, format!("step out {:?}", hidden.shape)),
-    })
+        Response::PushRefused {
+            step_id, reason, ..
+        } => (None, format!("push of step {step_id} refused: {reason}")),
+    }
 }
 
 /// What a server did with a stream on which bytes were sent.

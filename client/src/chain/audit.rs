@@ -171,7 +171,7 @@ impl RemoteChain {
     }
 
     /// Reports `peers` in the answer's suspects.
-    fn report(&mut self, peers: &[String]) {
+    pub(super) fn report(&mut self, peers: &[String]) {
         for peer in peers {
             if !self.suspects.contains(peer) {
                 self.suspects.push(peer.clone());

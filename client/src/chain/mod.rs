@@ -329,8 +329,9 @@ impl BlockChain for RemoteChain {
         // By push first: the hops that answered are taken in order (spot
         // checks as usual); from the first that did not, the client carries
         // the step on itself, with the usual recovery.
-        let (first, mut pending) = self.forward_by_push(start, &mut payload).await;
-        for index in first..self.hops.len() {
+        let pushed = self.forward_by_push(start, &mut payload).await;
+        let (mut pending, mut missed) = (pushed.pending, pushed.missed);
+        for index in pushed.carry_from..self.hops.len() {
             loop {
                 let outcome = match pending.take() {
                     Some(e) => Err(e),
@@ -352,9 +353,17 @@ impl BlockChain for RemoteChain {
                     Ok(out) => {
                         let input = std::mem::replace(&mut payload, out);
                         self.hops[index].history.push((start as u32, input));
+                        // The receiver of a push that did not come answered
+                        // the step carried to it: the pusher answers for it.
+                        if let Some(m) = missed.take_if(|m| m.receiver == index) {
+                            self.settle_missed_push(m, start).await;
+                        }
                         break;
                     }
                     Err(e) => {
+                        // A receiver that fails the client's own step is
+                        // recovered as usual; its pusher is not charged.
+                        missed.take_if(|m| m.receiver == index);
                         let caught = matches!(
                             e,
                             SessionError::Caught { .. } | SessionError::PushLie { .. }

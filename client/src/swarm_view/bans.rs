@@ -170,7 +170,7 @@ impl RecordShape {
 
 /// Counts one more failure of an entry and extends its end with
 /// exponential backoff; returns how long it lasts.
-fn backoff<K: std::hash::Hash + Eq>(
+pub(super) fn backoff<K: std::hash::Hash + Eq>(
     entry: std::collections::hash_map::Entry<'_, K, (u32, Instant)>,
 ) -> Duration {
     let entry = entry.or_insert((0, Instant::now()));

@@ -23,7 +23,8 @@ use crate::admission::Reservation;
 use crate::compute::{CacheLease, ComputeCore};
 use crate::host_settings::HostSettings;
 use crate::metrics::ServerMetrics;
-use crate::push::{Inbox, PushLink, Pushed};
+use crate::push::{Inbox, InboxItem, PushLink, Pushed};
+use crate::push_fault::LastPush;
 use crate::quota::{Eviction, Slot};
 use crate::refuse::{FIRST_FRAME_WITHIN, MAX_BAD_REQUESTS_IN_A_ROW};
 
@@ -94,6 +95,12 @@ struct Session {
     next: Option<PeerId>,
     /// Toward that server, once pushed to.
     push_link: PushLink,
+    /// The id of the last step computed: a push of this step or an earlier
+    /// one is a replay (or came after the client carried the step itself),
+    /// and computing it would rewind the cache under later steps.
+    last_step_id: u32,
+    /// What a `--push-fault replayed` server pushes next (a testing aid).
+    last_push: LastPush,
     slot: Slot,
     _reservation: Reservation,
 }
@@ -146,7 +153,7 @@ impl SessionStream {
 /// What the next frame turned out to be.
 enum Incoming {
     Frame,
-    Pushed(Pushed),
+    Pushed(InboxItem),
     End,
     Idle,
     /// The stream's or the session's slot went to another source.
@@ -156,14 +163,43 @@ enum Incoming {
     Broken(Option<String>),
 }
 
-/// The next step another server pushed to `session`.
-async fn next_push(session: &mut Option<Session>) -> Pushed {
+/// The next step another server pushed to `session`, or word of one refused.
+async fn next_push(session: &mut Option<Session>) -> InboxItem {
     if let Some(s) = session {
         if let Some(pushed) = s.inbox.receiver.recv().await {
             return pushed;
         }
     }
     std::future::pending().await
+}
+
+/// A pushed step to compute, or the notice to the client of a push refused:
+/// on the push stream (its proof did not hold), or here, for a step the
+/// session has already passed.
+fn refused_push(session: Option<&Session>, item: InboxItem) -> Result<Pushed, Response<'static>> {
+    let (from, step_id, reason) = match item {
+        InboxItem::Step(pushed) => match session {
+            Some(s) if pushed.header.step_id <= s.last_step_id => {
+                let reason = format!(
+                    "a push of step {}, which this session already passed (step {})",
+                    pushed.header.step_id, s.last_step_id
+                );
+                (pushed.from, pushed.header.step_id, reason)
+            }
+            _ => return Ok(pushed),
+        },
+        InboxItem::Refused {
+            from,
+            step_id,
+            reason,
+        } => (from, step_id, reason),
+    };
+    tracing::debug!(%from, step_id, %reason, "refused a push; telling the client");
+    Err(Response::PushRefused {
+        step_id,
+        from,
+        reason,
+    })
 }
 
 /// Completes when the stream's slot or its session's was given away.
@@ -230,7 +266,18 @@ pub(crate) async fn serve(
         let mut pushed_step = None;
         match incoming {
             Incoming::Frame => {}
-            Incoming::Pushed(pushed) => pushed_step = Some(pushed),
+            Incoming::Pushed(item) => match refused_push(session.as_ref(), item) {
+                Ok(pushed) => pushed_step = Some(pushed),
+                // Neither progress nor the client's fault: it hears at once,
+                // carries the step itself and blames the pusher.
+                Err(notice) => {
+                    if !io.send(Ok(notice.encode()), deadline).await {
+                        cut_short = true;
+                        break;
+                    }
+                    continue;
+                }
+            },
             Incoming::End => break,
             Incoming::Idle => {
                 let msg = match session {

@@ -142,6 +142,8 @@ pub(super) async fn open_session(
         inbox: ctx.settings.pushes.open(),
         next: open.next,
         push_link: PushLink::default(),
+        last_step_id: 0,
+        last_push: None,
         slot,
         _reservation: reservation,
     })

@@ -47,6 +47,9 @@ pub(super) async fn run_step(
         Ok(out) => out,
         Err(e) => return (s, Err(e)),
     };
+    if let Some(s) = &mut s {
+        s.last_step_id = s.last_step_id.max(header.step_id);
+    }
     tracing::trace!(name: hop_trace::OUTPUT_READY, target: hop_trace::TARGET, block);
     // A computed step passed `check_step`: its shape is [1, T, hidden].
     let positions = hidden.shape.get(1).copied().unwrap_or(0);
@@ -56,21 +59,30 @@ pub(super) async fn run_step(
         arrived.elapsed(),
     );
     let pushed = match (&mut s, header.push.first()) {
-        (Some(s), Some(target)) if s.next == Some(target.peer) => {
-            let corrupt = ctx.settings.corrupt_pushes > 0.0
-                && rand::random::<f64>() < ctx.settings.corrupt_pushes;
-            let noisy = corrupt.then(|| corruption::with_noise(&out, ctx.core.span().device()));
-            let to_push = match &noisy {
-                Some(Ok(noisy)) => noisy,
-                _ => &out,
-            };
-            let pushed = s
-                .push_link
-                .push(control, &ctx.settings.identity, header, to_push)
-                .await;
-            ctx.settings.metrics.push_sent(pushed);
-            pushed
-        }
+        (Some(s), Some(target)) if s.next == Some(target.peer) => match ctx.settings.push_fault {
+            Some(fault) => {
+                let link = &mut s.push_link;
+                let identity = &ctx.settings.identity;
+                fault
+                    .push(link, &mut s.last_push, control, identity, header, &out)
+                    .await
+            }
+            None => {
+                let corrupt = ctx.settings.corrupt_pushes > 0.0
+                    && rand::random::<f64>() < ctx.settings.corrupt_pushes;
+                let noisy = corrupt.then(|| corruption::with_noise(&out, ctx.core.span().device()));
+                let to_push = match &noisy {
+                    Some(Ok(noisy)) => noisy,
+                    _ => &out,
+                };
+                let pushed = s
+                    .push_link
+                    .push(control, &ctx.settings.identity, header, to_push)
+                    .await;
+                ctx.settings.metrics.push_sent(pushed);
+                pushed
+            }
+        },
         (Some(_), Some(target)) => {
             tracing::debug!(target = %target.peer, "not pushing to a server the session's Open did not name");
             false

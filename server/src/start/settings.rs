@@ -60,6 +60,12 @@ pub(super) fn host_settings(
             "--corrupt-pushes: this server pushes wrong activations on purpose (a testing aid)"
         );
     }
+    if let Some(fault) = args.push_fault {
+        tracing::warn!(
+            ?fault,
+            "--push-fault: this server fails its pushes on purpose (a testing aid)"
+        );
+    }
     if args.corrupt_outputs > 0.0 {
         tracing::warn!(
             rate = args.corrupt_outputs,
@@ -83,6 +89,7 @@ pub(super) fn host_settings(
         cache: CacheBudget::new(cache_tokens),
         corrupt_outputs: args.corrupt_outputs,
         corrupt_pushes: args.corrupt_pushes,
+        push_fault: args.push_fault,
         late_steps: Duration::from_millis(args.late_steps_ms),
         compute: args.compute_settings(),
         update_period: args.update_period,

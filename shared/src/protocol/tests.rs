@@ -70,6 +70,12 @@ fn samples() -> Vec<Vec<u8>> {
         }
         .encode(),
         Response::error(ErrorCode::BadShape, "wrong shape").encode(),
+        Response::PushRefused {
+            step_id: 12,
+            from: pusher(),
+            reason: "a push for a step already passed".into(),
+        }
+        .encode(),
     ]
 }
 
@@ -132,6 +138,14 @@ fn messages_round_trip() {
         Response::decode(&s[6], &limits).unwrap(),
         Response::error(ErrorCode::BadShape, "wrong shape")
     );
+    assert_eq!(
+        Response::decode(&s[7], &limits).unwrap(),
+        Response::PushRefused {
+            step_id: 12,
+            from: pusher(),
+            reason: "a push for a step already passed".into()
+        }
+    );
 }
 
 #[test]
@@ -163,6 +177,14 @@ fn overlong_strings_are_truncated_by_the_sender() {
         Request::Open(o) => assert!(o.model.len() <= MAX_NAME_LEN),
         other => panic!("{other:?}"),
     }
+}
+
+/// One fixed peer id, so that samples compare equal.
+fn pusher() -> libp2p::PeerId {
+    libp2p::identity::Keypair::ed25519_from_bytes([7; 32])
+        .unwrap()
+        .public()
+        .to_peer_id()
 }
 
 fn route(n: usize) -> Vec<PushTarget> {

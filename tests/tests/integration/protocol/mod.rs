@@ -45,13 +45,9 @@ async fn exchange(stream: &mut Stream, frame: &[u8]) -> Option<(Option<ErrorCode
     {
         return None;
     }
-    Some(
-        match Response::decode(&buf, &Limits::DEFAULT).expect("server frames decode") {
-            Response::Error { code, message } => (Some(code), message),
-            Response::Opened { max_length, .. } => (None, format!("opened {max_length}")),
-            Response::StepOut { hidden, .. } => (None, format!("step out {:?}", hidden.shape)),
-        },
-    )
+    Some(corolla_tests::hostile::describe(
+        Response::decode(&buf, &Limits::DEFAULT).expect("server frames decode"),
+    ))
 }
 
 fn open_request(

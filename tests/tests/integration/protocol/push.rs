@@ -120,6 +120,19 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
             }
             other => panic!("{other:?}"),
         }
+        // The session's client hears of it too, naming the pusher: it
+        // carries the step itself and blames the pusher, not this server.
+        match next_response(&mut session).await {
+            Response::PushRefused {
+                step_id,
+                from,
+                reason,
+            } => {
+                assert_eq!((step_id, from), (9, stranger.peer_id()));
+                assert!(reason.contains(why), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     // With the session's token and the pusher's proof, the session runs the
@@ -229,6 +242,22 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
         } => {
             assert_eq!((step_id, pushed), (12, true));
             assert_eq!(view_digest(&hidden), got.proof.digest);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // The push of step 9 again, its proof still holding: a replay of a step
+    // the session has passed is not computed (it would rewind the cache
+    // under later steps), and the client hears why.
+    write_frame(&mut push, &pushed).await.unwrap();
+    match next_response(&mut session).await {
+        Response::PushRefused {
+            step_id,
+            from,
+            reason,
+        } => {
+            assert_eq!((step_id, from), (9, stranger.peer_id()));
+            assert!(reason.contains("already passed"), "{reason}");
         }
         other => panic!("{other:?}"),
     }

@@ -17,6 +17,7 @@ use super::tiny_reference::MODEL;
 
 mod liars;
 mod limits;
+mod push_faults;
 mod rechecks;
 mod records;
 mod refusals;
