@@ -34,6 +34,7 @@ mod running;
 mod session;
 mod shared_prefix;
 mod start;
+mod successor;
 mod tls;
 
 pub use cli::run_cli;

@@ -115,20 +115,23 @@ pub fn best_move(num_layers: usize, records: &[ServerRecord], quality: f64) -> O
     best
 }
 
+/// A record of model `m` for tests: `peer` serving `start..end` at `throughput`.
+#[cfg(test)]
+pub(crate) fn sample_record(peer: &str, start: u32, end: u32, throughput: f64) -> ServerRecord {
+    let json = format!(
+        r#"{{"peer_id":"{peer}","model":"m","fingerprint":"","start":{start},"end":{end},"num_layers":8,
+        "hidden_size":8,"throughput":1.0,"prefill_throughput":1.0,"cache_tokens_left":1,"max_length":1,
+        "sessions":0,"max_sessions":1,"dtype":"f32","version":"0","addresses":[],"rebalances":true}}"#
+    );
+    let mut r = ServerRecord::from_bytes(json.as_bytes()).expect("a sample record parses");
+    r.throughput = throughput;
+    r
+}
+
 #[cfg(test)]
 mod tests {
+    use super::sample_record as record;
     use super::*;
-
-    fn record(peer: &str, start: u32, end: u32, throughput: f64) -> ServerRecord {
-        let json = format!(
-            r#"{{"peer_id":"{peer}","model":"m","fingerprint":"","start":{start},"end":{end},"num_layers":8,
-            "hidden_size":8,"throughput":1.0,"prefill_throughput":1.0,"cache_tokens_left":1,"max_length":1,
-            "sessions":0,"max_sessions":1,"dtype":"f32","version":"0","addresses":[],"rebalances":true}}"#
-        );
-        let mut r = ServerRecord::from_bytes(json.as_bytes()).unwrap();
-        r.throughput = throughput;
-        r
-    }
 
     #[test]
     fn new_servers_fill_the_thinnest_blocks() {

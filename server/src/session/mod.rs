@@ -27,6 +27,7 @@ use crate::push::{Inbox, InboxItem, PushLink, Pushed};
 use crate::push_fault::LastPush;
 use crate::quota::{Eviction, Slot};
 use crate::refuse::{FIRST_FRAME_WITHIN, MAX_BAD_REQUESTS_IN_A_ROW};
+use crate::successor::Successor;
 
 mod open;
 mod step;
@@ -91,8 +92,9 @@ struct Session {
     max_length: usize,
     /// Where other servers' pushes for this session arrive.
     inbox: Inbox,
-    /// The one server this session may push to, named at Open.
-    next: Option<PeerId>,
+    /// The one server this session may push to, named at Open (pushed to
+    /// once it said it serves the next blocks).
+    next: Option<Successor>,
     /// Toward that server, once pushed to.
     push_link: PushLink,
     /// The id of the last step computed: a push of this step or an earlier

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::admission::{BudgetFull, Reservation};
 use crate::push::PushLink;
 use crate::quota::{Refusal, Slot};
+use crate::successor::Successor;
 
 use super::{Session, SessionContext, RETRY_AFTER};
 
@@ -140,7 +141,10 @@ pub(super) async fn open_session(
         compression: open.compression,
         max_length,
         inbox: ctx.settings.pushes.open(),
-        next: open.next,
+        next: open.next.map(|next| {
+            let model = &ctx.settings.template.model;
+            Successor::check(&ctx.settings.control, next, model, end)
+        }),
         push_link: PushLink::default(),
         last_step_id: 0,
         last_push: None,

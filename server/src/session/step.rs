@@ -59,30 +59,13 @@ pub(super) async fn run_step(
         arrived.elapsed(),
     );
     let pushed = match (&mut s, header.push.first()) {
-        (Some(s), Some(target)) if s.next == Some(target.peer) => match ctx.settings.push_fault {
-            Some(fault) => {
-                let link = &mut s.push_link;
-                let identity = &ctx.settings.identity;
-                fault
-                    .push(link, &mut s.last_push, control, identity, header, &out)
-                    .await
-            }
-            None => {
-                let corrupt = ctx.settings.corrupt_pushes > 0.0
-                    && rand::random::<f64>() < ctx.settings.corrupt_pushes;
-                let noisy = corrupt.then(|| corruption::with_noise(&out, ctx.core.span().device()));
-                let to_push = match &noisy {
-                    Some(Ok(noisy)) => noisy,
-                    _ => &out,
-                };
-                let pushed = s
-                    .push_link
-                    .push(control, &ctx.settings.identity, header, to_push)
-                    .await;
-                ctx.settings.metrics.push_sent(pushed);
-                pushed
-            }
-        },
+        (Some(s), Some(target)) if s.next.as_ref().is_some_and(|n| n.peer() == target.peer) => {
+            let confirmed = match &mut s.next {
+                Some(next) => next.confirmed().await,
+                None => false,
+            };
+            confirmed && push_output(ctx, s, control, header, &out).await
+        }
         (Some(_), Some(target)) => {
             tracing::debug!(target = %target.peer, "not pushing to a server the session's Open did not name");
             false
@@ -97,6 +80,34 @@ pub(super) async fn run_step(
     }
     .encode();
     (s, Ok(frame))
+}
+
+/// Pushes `out` on along `header`'s route (or fails to, the way a
+/// `--push-fault` server is told to); whether the session says it pushed.
+async fn push_output(
+    ctx: &SessionContext,
+    s: &mut Session,
+    control: &mut libp2p_stream::Control,
+    header: &StepHeader,
+    out: &TensorPayload,
+) -> bool {
+    let identity = &ctx.settings.identity;
+    if let Some(fault) = ctx.settings.push_fault {
+        let link = &mut s.push_link;
+        return fault
+            .push(link, &mut s.last_push, control, identity, header, out)
+            .await;
+    }
+    let corrupt =
+        ctx.settings.corrupt_pushes > 0.0 && rand::random::<f64>() < ctx.settings.corrupt_pushes;
+    let noisy = corrupt.then(|| corruption::with_noise(out, ctx.core.span().device()));
+    let to_push = match &noisy {
+        Some(Ok(noisy)) => noisy,
+        _ => out,
+    };
+    let pushed = s.push_link.push(control, identity, header, to_push).await;
+    ctx.settings.metrics.push_sent(pushed);
+    pushed
 }
 
 /// The output of a step, or why there is none.

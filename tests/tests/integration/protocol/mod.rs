@@ -12,7 +12,7 @@ use corolla_server::RunningServer;
 use corolla_shared::framing::{read_frame, write_frame};
 use corolla_shared::protocol::{
     encode_step, encode_step_with, ErrorCode, OpenRequest, PushStep, PushTarget, Request, Response,
-    SessionToken, StepHeader, INFERENCE_PROTOCOL, PUSH_PROTOCOL,
+    SessionToken, StepHeader, INFERENCE_PROTOCOL, INFO_PROTOCOL, PUSH_PROTOCOL,
 };
 use corolla_shared::push_proof::{view_digest, PushProof, PushSender, PushedStep};
 use corolla_shared::reach::ReachSettings;

@@ -198,14 +198,76 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
         other => panic!("{other:?}"),
     }
 
-    // The client names the next session: the server pushes its output
-    // there, with the rest of the route, signed, and says so; what it
-    // pushed is what it returned.
+    // The Open's `next` does not serve the next blocks (the stranger does
+    // not even answer the info protocol): the server never pushes there,
+    // whatever the steps ask (it is no reflection tool against hosts that
+    // never asked), and says so.
     let mut incoming = stranger.control().accept(PUSH_PROTOCOL).unwrap();
-    let next = target(stranger.peer_id(), 42);
     let after = target(libp2p::PeerId::random(), 43);
     let step = StepHeader {
         start_position: 2,
+        step_id: 12,
+        push: vec![target(stranger.peer_id(), 42), after.clone()],
+    };
+    write_frame(&mut session, &encode_step_with(&step, &hidden(1, 64)))
+        .await
+        .unwrap();
+    match next_response(&mut session).await {
+        Response::StepOut {
+            step_id, pushed, ..
+        } => assert_eq!((step_id, pushed), (12, false)),
+        other => panic!("{other:?}"),
+    }
+    let reflected = tokio::time::timeout(Duration::from_millis(500), incoming.next()).await;
+    assert!(
+        reflected.is_err(),
+        "a push reached a peer that serves nothing"
+    );
+
+    // The push of step 9 again, its proof still holding: a replay of a step
+    // the session has passed is not computed (it would rewind the cache
+    // under later steps), and the client hears why.
+    write_frame(&mut push, &pushed).await.unwrap();
+    match next_response(&mut session).await {
+        Response::PushRefused {
+            step_id,
+            from,
+            reason,
+        } => {
+            assert_eq!((step_id, from), (9, stranger.peer_id()));
+            assert!(reason.contains("already passed"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Once the stranger says (its live record over the info protocol) that
+    // it serves the blocks after the session's, a session naming it pushes
+    // its output there, with the rest of the route, signed, and says so;
+    // what it pushed is what it returned.
+    let mut record =
+        corolla_shared::session::fetch_info(&mut client.control(), peer, Duration::from_secs(5))
+            .await
+            .unwrap();
+    (record.peer_id, record.start, record.end) = (stranger.peer_id().to_string(), 4, 8);
+    let mut info = stranger.control().accept(INFO_PROTOCOL).unwrap();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = info.next().await {
+            let _ = write_frame(&mut stream, &record.to_bytes()).await;
+        }
+    });
+    let mut session = client
+        .control()
+        .open_stream(peer, INFERENCE_PROTOCOL)
+        .await
+        .unwrap();
+    write_frame(&mut session, &opening.encode()).await.unwrap();
+    match next_response(&mut session).await {
+        Response::Opened { .. } => {}
+        other => panic!("{other:?}"),
+    }
+    let next = target(stranger.peer_id(), 42);
+    let step = StepHeader {
+        start_position: 0,
         step_id: 12,
         push: vec![next.clone(), after.clone()],
     };
@@ -221,13 +283,13 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
     assert!(read_frame(&mut stream, 1 << 20, &mut buf).await.unwrap());
     let got = PushStep::decode(&buf, &Limits::DEFAULT).unwrap();
     assert_eq!(got.token, next.token);
-    assert_eq!((got.header.start_position, got.header.step_id), (2, 12));
+    assert_eq!((got.header.start_position, got.header.step_id), (0, 12));
     assert_eq!(got.header.push, vec![after]);
     assert_eq!(got.hidden.shape, vec![1, 1, 64]);
     let pushed_step = PushedStep {
         token: next.token,
         step_id: 12,
-        start_position: 2,
+        start_position: 0,
     };
     got.proof
         .verify(&PushSender::new(peer), &pushed_step)
@@ -242,22 +304,6 @@ async fn a_push_gets_in_only_with_its_sessions_token_and_goes_only_where_the_cli
         } => {
             assert_eq!((step_id, pushed), (12, true));
             assert_eq!(view_digest(&hidden), got.proof.digest);
-        }
-        other => panic!("{other:?}"),
-    }
-
-    // The push of step 9 again, its proof still holding: a replay of a step
-    // the session has passed is not computed (it would rewind the cache
-    // under later steps), and the client hears why.
-    write_frame(&mut push, &pushed).await.unwrap();
-    match next_response(&mut session).await {
-        Response::PushRefused {
-            step_id,
-            from,
-            reason,
-        } => {
-            assert_eq!((step_id, from), (9, stranger.peer_id()));
-            assert!(reason.contains("already passed"), "{reason}");
         }
         other => panic!("{other:?}"),
     }
