@@ -252,7 +252,9 @@ pub struct ServerArgs {
     /// TESTING AID, never for a real swarm: answer the client honestly but
     /// fail every push to the next server: `silent` (say pushed, send
     /// nothing), `forged` (a proof another key signed), `replayed` (the
-    /// previous step's push again) or `late:MS` (the honest push, MS late),
+    /// previous step's push again), `intrude` (its own output pushed into
+    /// the session after the next one first) or `late:MS` (the honest push,
+    /// MS late),
     /// to test that clients blame the pusher and never the server after it.
     #[arg(long, env = "COROLLA_PUSH_FAULT")]
     pub push_fault: Option<crate::push_fault::PushFault>,

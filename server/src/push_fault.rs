@@ -1,8 +1,9 @@
 //! `--push-fault`, a testing aid: a server that answers its client
 //! honestly but fails the push to the next server the ways a liar would
 //! (nothing sent, a forged proof, the previous step's push again, an
-//! honest push late). Clients must charge each to this server, never to
-//! the server after it that waited.
+//! honest push late, its own output pushed into a later session of the
+//! route before the next server's). Clients must charge each to this
+//! server, never to the server that waited or was intruded on.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -24,6 +25,9 @@ pub enum PushFault {
     Replayed,
     /// Answers its client at once and pushes the honest output this late.
     Late(Duration),
+    /// Pushes its own output, signed, into the session after the next one
+    /// (it knows that session's token from the route), then honestly on.
+    Intrude,
 }
 
 impl FromStr for PushFault {
@@ -34,16 +38,17 @@ impl FromStr for PushFault {
             "silent" => Ok(PushFault::Silent),
             "forged" => Ok(PushFault::Forged),
             "replayed" => Ok(PushFault::Replayed),
+            "intrude" => Ok(PushFault::Intrude),
             other => other
                 .strip_prefix("late:")
                 .and_then(|ms| ms.parse::<u64>().ok())
                 .map(|ms| PushFault::Late(Duration::from_millis(ms)))
-                .ok_or_else(|| {
-                    format!("{s:?} is not a push fault: silent, forged, replayed or late:MS")
-                }),
+                .ok_or_else(|| format!("{s:?} is not a push fault: {KINDS}")),
         }
     }
 }
+
+const KINDS: &str = "silent, forged, replayed, intrude or late:MS";
 
 /// What a session of a `--replayed` server remembers: its last push.
 pub(crate) type LastPush = Option<(StepHeader, TensorPayload)>;
@@ -73,6 +78,18 @@ impl PushFault {
                     .unwrap_or_else(|| (header.clone(), output.clone()));
                 link.push(control, identity, &header, &output).await;
             }
+            PushFault::Intrude => {
+                if header.push.len() > 1 {
+                    // A link of its own: the session's goes to the next server.
+                    let into_later = StepHeader {
+                        push: header.push[1..].to_vec(),
+                        ..header.clone()
+                    };
+                    let mut intruding = PushLink::default();
+                    intruding.push(control, identity, &into_later, output).await;
+                }
+                link.push(control, identity, header, output).await;
+            }
             PushFault::Late(delay) => {
                 let (mut control, identity) = (control.clone(), identity.clone());
                 let (header, output) = (header.clone(), output.clone());
@@ -96,13 +113,14 @@ mod tests {
         assert_eq!("silent".parse(), Ok(PushFault::Silent));
         assert_eq!("forged".parse(), Ok(PushFault::Forged));
         assert_eq!("replayed".parse(), Ok(PushFault::Replayed));
+        assert_eq!("intrude".parse(), Ok(PushFault::Intrude));
         assert_eq!(
             "late:1500".parse(),
             Ok(PushFault::Late(Duration::from_millis(1500)))
         );
         for bad in ["", "late", "late:soon", "loud"] {
             let e = bad.parse::<PushFault>().unwrap_err();
-            assert!(e.contains("silent, forged, replayed or late:MS"), "{e}");
+            assert!(e.contains(KINDS), "{e}");
         }
     }
 }

@@ -49,8 +49,11 @@ enum PushStop {
 /// A push that did not reach its receiver: the client carries the step to
 /// the receiver itself, then settles who failed.
 pub(super) struct MissedPush {
-    /// The receiving hop; the hop before it pushed.
+    /// The receiving hop.
     pub(super) receiver: usize,
+    /// The hop charged with the push: the one before the receiver, or an
+    /// earlier one that pushed into the receiver's session itself.
+    pub(super) pusher: usize,
     /// The pushed step's id (an answer of it may still come, late).
     pub(super) step_id: u32,
     /// What went wrong, naming the pusher.
@@ -228,7 +231,7 @@ impl RemoteChain {
             tracing::debug!(error = %missed.fault, "the push came after all, late; nobody charged");
             return;
         }
-        let pusher = receiver - 1;
+        let pusher = missed.pusher;
         let pusher_id = self.hops[pusher].sessions[0].0.peer_id.clone();
         let receiver_id = self.hops[receiver].sessions[0].0.peer_id.clone();
         let (index, fault) = match self.view.record_push_miss(&pusher_id, &receiver_id) {
@@ -254,6 +257,48 @@ impl RemoteChain {
         if let Err(e) = self.recover(index, &fault, position).await {
             tracing::warn!(error = %e, "could not replace a server whose push did not come; keeping it");
         }
+    }
+
+    /// When hop `receiver`'s proof is not its predecessor's, whether an
+    /// earlier hop signed it: that hop knew the receiver's token (the client
+    /// gives each server the rest of the route) and pushed into its session
+    /// itself, before the predecessor's push; the receiver computed what it
+    /// was given, honestly. The client carries the step to the receiver and
+    /// charges that hop.
+    fn intruded(
+        &self,
+        verdict: &PushVerdict,
+        receiver: usize,
+        start: u32,
+        step_id: u32,
+        reply: &StepReply,
+    ) -> Option<MissedPush> {
+        let PushVerdict::ReceiverLied(_) = verdict else {
+            return None;
+        };
+        let proof = reply.input_proof.as_ref()?;
+        let step = PushedStep {
+            token: self.hops[receiver].sessions[0].1.token(),
+            step_id,
+            start_position: start,
+        };
+        let pusher = (0..receiver.saturating_sub(1)).find(|&earlier| {
+            let sender = self.hops[earlier].sessions[0].1.as_push_sender();
+            proof.verify(sender, &step).is_ok()
+        })?;
+        let peer = self.hops[pusher].sessions[0].1.peer();
+        Some(MissedPush {
+            receiver,
+            pusher,
+            step_id,
+            fault: SessionError::PushUndelivered {
+                peer,
+                message: format!(
+                    "it pushed into the session of {}, which follows another server",
+                    self.hops[receiver].sessions[0].1.peer()
+                ),
+            },
+        })
     }
 
     /// How long the client waits for hop `index`'s output once the hop
@@ -358,6 +403,7 @@ impl RemoteChain {
                     if let Some(message) = missed {
                         let missed = MissedPush {
                             receiver: index,
+                            pusher: index - 1,
                             step_id,
                             fault: SessionError::PushUndelivered {
                                 peer: pusher,
@@ -384,7 +430,12 @@ impl RemoteChain {
                     }
                     let pushed = reply.pushed;
                     if let Some(before) = replies.last() {
-                        verdicts.push(self.judge_push(index - 1, start, step_id, before, &reply));
+                        let verdict = self.judge_push(index - 1, start, step_id, before, &reply);
+                        if let Some(missed) = self.intruded(&verdict, index, start, step_id, &reply)
+                        {
+                            return (replies, verdicts, Some(PushStop::Missed(missed)));
+                        }
+                        verdicts.push(verdict);
                     }
                     replies.push(reply);
                     if index + 1 < reach && !pushed {

@@ -220,3 +220,70 @@ async fn a_pusher_answers_for_its_push_and_the_server_after_it_is_never_blamed()
     .set("slowest_ms", slowest.as_millis())
     .save();
 }
+
+/// A server early in the route knows the later sessions' tokens (the client
+/// gives each server the rest of its route): one that pushes its own output
+/// into a later session, before that session's predecessor does, is named
+/// by its own signature in the intruded session's proof; the intruded server
+/// is carried the step and never blamed, nor is the one before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_pushing_into_a_later_session_is_named_by_its_signature() {
+    let reference = Reference::load();
+    let flags = ["--update-period", "1s"];
+    let mut named = 0;
+    for replica in [true, false] {
+        let liar = start_server(
+            "0:2",
+            None,
+            &["--update-period", "1s", "--push-fault", "intrude"],
+        )
+        .await;
+        let boot = liar.tcp_addr().unwrap().to_string();
+        let middle = start_server("2:3", Some(&boot), &flags).await;
+        let last = start_server("3:4", Some(&boot), &flags).await;
+        let slower = ["--update-period", "1s", "--step-delay-ms", "30"];
+        let replica = match replica {
+            true => Some(start_server("0:2", Some(&boot), &slower).await),
+            false => None,
+        };
+        let liar_id = liar.peer_id().to_string();
+        let honest: Vec<String> = [&middle, &last]
+            .into_iter()
+            .chain(&replica)
+            .map(|s| s.peer_id().to_string())
+            .collect();
+        let node = connect(&[boot.parse().unwrap()]).await.unwrap();
+        until_servers(&node, 3 + usize::from(replica.is_some())).await;
+        let view = SwarmView::new(node, &settings(greedy(0).max_length()));
+        for seed in [0, 10] {
+            let (tokens, _, mut chain) = answer(&reference, &view, seed).await;
+            let what = format!("seed {seed}, replica: {}", replica.is_some());
+            assert_eq!(tokens, local_tokens(&reference, seed).await, "{what}");
+            let recoveries = chain.take_recoveries();
+            assert!(
+                recoveries.iter().all(|r| r.failed_peer == liar_id),
+                "{what}: an honest server was blamed: {recoveries:?}"
+            );
+            let suspects = chain.take_suspects();
+            assert!(
+                suspects.iter().all(|s| *s == liar_id),
+                "{what}: an honest server was named: {suspects:?}"
+            );
+            named += usize::from(!suspects.is_empty());
+            for peer in &honest {
+                assert!(!view.is_banned(peer), "{what}: {peer} was banned");
+            }
+            chain.close().await;
+        }
+        for server in [liar, middle, last].into_iter().chain(replica) {
+            server.shutdown();
+        }
+    }
+    assert_eq!(named, 2, "the intruder was named in each first answer");
+    println!("an intruding pusher: 4 answers token-identical, named in both first answers");
+    Figures::of(
+        "trust::push_faults::a_server_pushing_into_a_later_session_is_named_by_its_signature",
+    )
+    .set("answers", 4)
+    .save();
+}
