@@ -1,12 +1,13 @@
 //! HTTP serving that a flood cannot take over: a bounded accept loop
-//! (connections at most, a header deadline and size, a connection
-//! lifetime, rate-limited logs of accept errors) shared by the server's
+//! (connections at most, shared between source hosts (`shares.rs`), a
+//! header deadline and size, a connection lifetime, rate-limited logs of
+//! accept errors) shared by the server's
 //! page and files and the client's OpenAI-compatible API, and the
 //! open-file limit raised so that the connection cap is met before the
 //! kernel's.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -14,12 +15,15 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::Semaphore;
+
+mod shares;
+pub use shares::{host_of, ConnectionShares, ConnectionSlot, Host};
 
 /// How an HTTP listener bounds its clients.
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {
-    /// Connections served at once; more are closed on arrival.
+    /// Connections served at once; more are closed on arrival, unless
+    /// their host holds less than its share and another holds more.
     pub max_connections: usize,
     /// A request's head must arrive within this.
     pub header_timeout: Duration,
@@ -61,16 +65,21 @@ impl RateLimitedLog {
     }
 }
 
-/// Where connections come from: plain TCP, or a TLS listener's handshakes.
+/// Where connections come from: plain TCP, or a TLS listener's handshakes;
+/// each with the address it came from, when known.
 pub trait Accept: Send + 'static {
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
-    fn accept(&mut self) -> impl Future<Output = std::io::Result<Self::Io>> + Send;
+    fn accept(
+        &mut self,
+    ) -> impl Future<Output = std::io::Result<(Self::Io, Option<IpAddr>)>> + Send;
 }
 
 impl Accept for tokio::net::TcpListener {
     type Io = tokio::net::TcpStream;
-    async fn accept(&mut self) -> std::io::Result<Self::Io> {
-        tokio::net::TcpListener::accept(self).await.map(|(s, _)| s)
+    async fn accept(&mut self) -> std::io::Result<(Self::Io, Option<IpAddr>)> {
+        tokio::net::TcpListener::accept(self)
+            .await
+            .map(|(s, addr)| (s, Some(addr.ip())))
     }
 }
 
@@ -83,7 +92,7 @@ pub async fn serve_bounded<L: Accept>(
     limits: HttpLimits,
     stop: impl Future<Output = ()> + Send,
 ) {
-    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let shares = ConnectionShares::new(limits.max_connections);
     let graceful = GracefulShutdown::new();
     let mut log = RateLimitedLog {
         last: None,
@@ -95,8 +104,8 @@ pub async fn serve_bounded<L: Accept>(
             accepted = listener.accept() => accepted,
             () = &mut stop => break,
         };
-        let io = match accepted {
-            Ok(io) => io,
+        let (io, from) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors and the like: say so now and then, and
                 // give the process a moment instead of spinning.
@@ -105,7 +114,7 @@ pub async fn serve_bounded<L: Accept>(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
+        let Some(slot) = shares.admit(host_of(from)) else {
             log.warn(
                 "HTTP connection refused: the limit is reached",
                 &limits.max_connections,
@@ -120,11 +129,16 @@ pub async fn serve_bounded<L: Accept>(
             .header_read_timeout(limits.header_timeout)
             .max_buf_size(limits.max_header_bytes.max(8192));
         let conn = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             if let Err(e) = tokio::time::timeout(limits.max_connection_time, conn).await {
                 tracing::debug!(error = %e, "HTTP connection ended at its time limit");
             }
-            drop(permit);
+        });
+        slot.serve_in(task.abort_handle());
+        // The slot lives as long as the task: freed when it ends or is aborted.
+        tokio::spawn(async move {
+            let _ = task.await;
+            drop(slot);
         });
     }
     drop(listener);

@@ -134,9 +134,9 @@ impl TlsListener {
 impl corolla_http::Accept for TlsListener {
     type Io = TlsStream<TcpStream>;
 
-    async fn accept(&mut self) -> std::io::Result<Self::Io> {
+    async fn accept(&mut self) -> std::io::Result<(Self::Io, Option<std::net::IpAddr>)> {
         match self.ready.recv().await {
-            Some((conn, _)) => Ok(conn),
+            Some((conn, from)) => Ok((conn, Some(from.ip()))),
             None => std::future::pending().await,
         }
     }

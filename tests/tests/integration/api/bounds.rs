@@ -84,3 +84,73 @@ fn the_api_bounds_its_connections_header_time_and_tokens() {
     )
     .save();
 }
+
+/// Connections are shared between hosts: one host's idle sockets holding
+/// every slot refuse its own next connection, not another host's (which
+/// takes the newest of them), so a flood from one address cannot keep the
+/// API from everyone else.
+#[test]
+fn one_host_cannot_hold_every_connection() {
+    use std::io::{Read, Write};
+    let model = corolla_tests::tiny_llama();
+    let api = Api::start(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--local",
+        "--max-connections",
+        "8",
+        "--header-timeout",
+        "30",
+    ]);
+    let addr = api
+        .base
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .to_string();
+    let idle: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    // Its own ninth: closed on arrival.
+    let mut ninth = std::net::TcpStream::connect(&addr).expect("connect");
+    ninth
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let _ = ninth.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut buf = [0u8; 64];
+    let read = ninth.read(&mut buf);
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "the flooding host got a ninth connection: {read:?}"
+    );
+    // Another host (127.0.0.2: loopback, another address) is served at once,
+    // well within the idle sockets' 30 s header deadline.
+    let started = Instant::now();
+    let auth = format!("Authorization: Bearer {KEY}");
+    let models = curl(&[
+        "-s",
+        "--max-time",
+        "10",
+        "--interface",
+        "127.0.0.2",
+        "-H",
+        &auth,
+        &format!("{}/models", api.base),
+    ]);
+    let served_in = started.elapsed();
+    assert!(models.contains("tiny-llama"), "{models}");
+    assert!(served_in < Duration::from_secs(10), "{served_in:?}");
+    // It took the newest idle socket's slot; the others still wait.
+    let mut closed = 0;
+    for mut socket in idle {
+        socket
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        closed += usize::from(matches!(socket.read(&mut buf), Ok(0)));
+    }
+    assert_eq!(closed, 1, "exactly one idle socket gave its slot");
+    println!("one host's 8 idle sockets: another host served in {served_in:?}, 1 socket evicted");
+    corolla_tests::reliability::Figures::of("api::bounds::one_host_cannot_hold_every_connection")
+        .set("served_ms", served_in.as_millis())
+        .save();
+}
