@@ -63,9 +63,13 @@ impl Reference {
     }
 
     pub async fn tokens(&self, seed: u64) -> Vec<u32> {
-        let req = request(seed);
+        self.tokens_for(&request(seed)).await
+    }
+
+    /// The whole model's answer to `req`.
+    pub async fn tokens_for(&self, req: &GenerateRequest) -> Vec<u32> {
         let mut chain = LocalChain::new(&self.spans, req.max_length()).unwrap();
-        generate(&self.head, &mut chain, &req, |_| {
+        generate(&self.head, &mut chain, req, |_| {
             std::ops::ControlFlow::Continue(())
         })
         .await

@@ -7,7 +7,7 @@ use super::*;
 /// ask for more tokens than its cap.
 #[test]
 fn the_api_bounds_its_connections_header_time_and_tokens() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let model = corolla_tests::tiny_llama();
     let api = Api::start(&[
         "--model",
@@ -20,28 +20,10 @@ fn the_api_bounds_its_connections_header_time_and_tokens() {
         "--max-tokens-cap",
         "16",
     ]);
-    let addr = api
-        .base
-        .trim_start_matches("http://")
-        .trim_end_matches("/v1")
-        .to_string();
     // Eight sockets that never send a byte take every connection slot:
     // a ninth is closed on arrival.
-    let idle: Vec<std::net::TcpStream> = (0..8)
-        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
-        .collect();
-    std::thread::sleep(Duration::from_millis(200));
-    let mut ninth = std::net::TcpStream::connect(&addr).expect("connect");
-    ninth
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    let _ = ninth.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+    let idle = every_slot_idle(&api, 8);
     let mut buf = [0u8; 64];
-    let read = ninth.read(&mut buf);
-    assert!(
-        matches!(read, Ok(0) | Err(_)),
-        "a connection over the cap was served: {read:?}"
-    );
     // The idle ones are closed at the header deadline, and the API serves again.
     let started = Instant::now();
     for mut socket in idle {
@@ -85,13 +67,38 @@ fn the_api_bounds_its_connections_header_time_and_tokens() {
     .save();
 }
 
+/// `slots` sockets from this host that never send a byte, holding every
+/// connection slot of `api`; checked by a next one from this host, which
+/// must be closed on arrival.
+fn every_slot_idle(api: &Api, slots: usize) -> Vec<std::net::TcpStream> {
+    use std::io::{Read, Write};
+    let addr = api
+        .base
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .to_string();
+    let idle = (0..slots)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut next = std::net::TcpStream::connect(&addr).expect("connect");
+    next.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = next.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+    let read = next.read(&mut [0u8; 64]);
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "a connection over the cap was served: {read:?}"
+    );
+    idle
+}
+
 /// Connections are shared between hosts: one host's idle sockets holding
 /// every slot refuse its own next connection, not another host's (which
 /// takes the newest of them), so a flood from one address cannot keep the
 /// API from everyone else.
 #[test]
 fn one_host_cannot_hold_every_connection() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let model = corolla_tests::tiny_llama();
     let api = Api::start(&[
         "--model",
@@ -102,27 +109,9 @@ fn one_host_cannot_hold_every_connection() {
         "--header-timeout",
         "30",
     ]);
-    let addr = api
-        .base
-        .trim_start_matches("http://")
-        .trim_end_matches("/v1")
-        .to_string();
-    let idle: Vec<std::net::TcpStream> = (0..8)
-        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
-        .collect();
-    std::thread::sleep(Duration::from_millis(200));
-    // Its own ninth: closed on arrival.
-    let mut ninth = std::net::TcpStream::connect(&addr).expect("connect");
-    ninth
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    let _ = ninth.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+    // Its own ninth is closed on arrival.
+    let idle = every_slot_idle(&api, 8);
     let mut buf = [0u8; 64];
-    let read = ninth.read(&mut buf);
-    assert!(
-        matches!(read, Ok(0) | Err(_)),
-        "the flooding host got a ninth connection: {read:?}"
-    );
     // Another host (127.0.0.2: loopback, another address) is served at once,
     // well within the idle sockets' 30 s header deadline.
     let started = Instant::now();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use corolla_client::network::connect;
 use corolla_client::swarm_view::SwarmView;
-use corolla_client::{generate, GenerateRequest, LocalChain, RemoteChain};
+use corolla_client::{generate, GenerateRequest, RemoteChain};
 use corolla_model::{Device, SamplingParams};
 use corolla_server::RunningServer;
 use corolla_tests::reliability::Figures;
@@ -30,17 +30,6 @@ fn greedy(seed: u64) -> GenerateRequest {
         sampling: SamplingParams::default(),
         ..request(seed)
     }
-}
-
-async fn local_tokens(reference: &Reference, seed: u64) -> Vec<u32> {
-    let req = greedy(seed);
-    let mut chain = LocalChain::new(&reference.spans, req.max_length()).unwrap();
-    generate(&reference.head, &mut chain, &req, |_| {
-        std::ops::ControlFlow::Continue(())
-    })
-    .await
-    .unwrap()
-    .generated_ids
 }
 
 /// One greedy answer through `view`: its tokens, how long it took, and the chain.
@@ -153,7 +142,7 @@ async fn a_pusher_answers_for_its_push_and_the_server_after_it_is_never_blamed()
             // meets the fault, the second what the first learnt.
             for seed in [case as u64, case as u64 + 10] {
                 let (tokens, took, mut chain) = answer(&reference, &view, seed).await;
-                assert_eq!(tokens, local_tokens(&reference, seed).await, "{what}");
+                assert_eq!(tokens, reference.tokens_for(&greedy(seed)).await, "{what}");
                 assert!(
                     took <= bound,
                     "{what}: the answer took {took:?}, over 3 x {calm:?} + {ALLOWANCE:?}"
@@ -258,7 +247,7 @@ async fn a_server_pushing_into_a_later_session_is_named_by_its_signature() {
         for seed in [0, 10] {
             let (tokens, _, mut chain) = answer(&reference, &view, seed).await;
             let what = format!("seed {seed}, replica: {}", replica.is_some());
-            assert_eq!(tokens, local_tokens(&reference, seed).await, "{what}");
+            assert_eq!(tokens, reference.tokens_for(&greedy(seed)).await, "{what}");
             let recoveries = chain.take_recoveries();
             assert!(
                 recoveries.iter().all(|r| r.failed_peer == liar_id),
