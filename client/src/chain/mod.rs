@@ -291,8 +291,10 @@ impl RemoteChain {
                 Some(next) => Some(peer_of(next)?),
                 None => after,
             }
-            // A server hosting the next blocks too cannot push to itself.
-            .filter(|next| *next != this);
+            // A server hosting the next blocks too cannot push to itself;
+            // without push none is named (a named one is checked by its
+            // server at the Open, a stream to it per session).
+            .filter(|next| *next != this && self.settings.push);
             match self.open(hop, next).await {
                 Ok(s) => sessions.push(s),
                 Err(e) => {
