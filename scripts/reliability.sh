@@ -27,11 +27,11 @@ failed=0
 # The areas of the integration binary the rows cite, one test at a time
 # where they measure speed (the figures are of an unloaded machine).
 cargo test --locked -p corolla-tests --test integration -- \
-    trust:: sources:: routing:: protocol:: http:: api:: faults:: default_model::overlapping \
+    trust:: sources:: crowds:: routing:: protocol:: http:: api:: faults:: default_model::overlapping \
     --test-threads 1 2>&1 | tee "$figures/integration.log" || failed=1
 # The limiters' and identity files' unit tests (every crate's, from the
 # workspace build: one crate alone would build with other features).
-cargo test --locked --workspace --lib -- quota:: identity:: relay_shares:: record::tests peers:: api::error:: node::lookup::tests \
+cargo test --locked --workspace --lib -- quota:: identity:: relay_shares:: relay_reclaim:: fair_share:: handshake_shares:: address_limits:: api::admission:: record::tests peers:: api::error:: node::lookup::tests \
     2>&1 | tee "$figures/units.log" || failed=1
 # Every decoder of untrusted bytes (needs a nightly toolchain; without one
 # the fuzzing rows show as not measured).

@@ -45,6 +45,10 @@ const MAX_PINGED: usize = 16;
 /// The first ban lasts `2 × BAN_BASE`; each further failure doubles it.
 const BAN_BASE: Duration = Duration::from_secs(2);
 const BAN_MAX: Duration = Duration::from_secs(300);
+/// How long a server that refused for want of room is passed over: being
+/// full is no fault, so it neither grows with repeats nor makes its host
+/// or record suspect, and a burst's refusals end with the burst.
+const BUSY_COOL_OFF: Duration = Duration::from_secs(2);
 /// Seconds per step added to the cost of servers reached at a host where a
 /// server failed, or announcing what a failed server announced, for each
 /// such failure while its ban lasts: any other server that is not far
@@ -88,6 +92,8 @@ struct ViewState {
     last_failure: HashMap<String, (ErrorKind, String)>,
     /// Peer id -> (failures so far, banned until).
     bans: HashMap<String, (u32, Instant)>,
+    /// Peer id -> passed over until, after a refusal for want of room.
+    busy_until: HashMap<String, Instant>,
     /// Hosts this client reached failed servers at -> (failures, suspect until).
     failed_hosts: HashMap<AddressGroup, (u32, Instant)>,
     /// What failed servers announced ([`RecordShape`]) -> (failures,
@@ -106,9 +112,9 @@ struct ViewState {
 
 impl ViewState {
     fn banned(&self, peer: &str) -> bool {
-        self.bans
-            .get(peer)
-            .is_some_and(|(_, until)| Instant::now() < *until)
+        let now = Instant::now();
+        self.bans.get(peer).is_some_and(|(_, until)| now < *until)
+            || self.busy_until.get(peer).is_some_and(|until| now < *until)
     }
 }
 

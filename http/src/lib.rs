@@ -65,6 +65,11 @@ impl RateLimitedLog {
     }
 }
 
+/// The address a request's connection came from, in every request's
+/// extensions (`None`: not known).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddress(pub Option<IpAddr>);
+
 /// Where connections come from: plain TCP, or a TLS listener's handshakes;
 /// each with the address it came from, when known.
 pub trait Accept: Send + 'static {
@@ -122,7 +127,8 @@ pub async fn serve_bounded<L: Accept>(
             drop(io);
             continue;
         };
-        let service = TowerToHyperService::new(app.clone());
+        let service =
+            TowerToHyperService::new(app.clone().layer(axum::Extension(ClientAddress(from))));
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())

@@ -1,109 +1,82 @@
 //! Connection limits per source address: libp2p's `connection_limits`
 //! counts per peer id and in total, and ids are free, so one host with many
-//! ids could hold every handshake and connection slot. This behaviour
-//! counts inbound connections per host and per network
-//! ([`crate::source_address`]), still in their handshake and established,
-//! and keeps [`PeerSources`] for those admitting streams.
+//! ids could hold every connection. This behaviour caps inbound
+//! established connections per host and per network, and shares the total
+//! between source addresses ([`crate::fair_share`]): when every place is
+//! held, a newcomer whose addresses hold less than their share gets in and
+//! the newest connection of the most crowded addresses is closed. (Inbound
+//! handshakes are capped the same way, in the transports:
+//! [`crate::handshake_shares`].) It also keeps [`PeerSources`] for those
+//! admitting streams.
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::IpAddr;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use libp2p::core::transport::PortUse;
 use libp2p::core::Endpoint;
 use libp2p::swarm::{
-    dummy, ConnectionClosed, ConnectionDenied, ConnectionId, FromSwarm, ListenFailure,
+    dummy, CloseConnection, ConnectionClosed, ConnectionDenied, ConnectionId, FromSwarm,
     NetworkBehaviour, THandler, THandlerInEvent, THandlerOutEvent, ToSwarm,
 };
 use libp2p::{Multiaddr, PeerId};
 
+use crate::fair_share;
 use crate::source_address::{source_ip, AddressGroup, PeerSources};
 
-/// How many inbound connections one source may hold.
+/// How many inbound connections sources may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AddressCaps {
-    /// Still in their handshake, per host.
-    pub pending_per_host: usize,
-    /// Still in their handshake, per network.
-    pub pending_per_network: usize,
     /// Established, per host.
-    pub established_per_host: usize,
+    pub per_host: usize,
     /// Established, per network.
-    pub established_per_network: usize,
+    pub per_network: usize,
+    /// Established in total; see the module's header for who gets in when
+    /// all are held.
+    pub total: usize,
 }
 
 impl AddressCaps {
-    /// A host may take a quarter of the handshake slots and an eighth of
-    /// the connections, a network twice that: a crowd of ids from one
-    /// machine leaves most of the server to everyone else. (Handshakes are
-    /// short; clients started together on one machine need a few at once.)
-    pub fn share_of(max_pending: u32, max_established: u32) -> Self {
-        let part = |total: u32, divisor: u32| (total / divisor).max(1) as usize;
+    /// A host may take an eighth of the connections, a network a quarter:
+    /// a crowd of ids from one machine leaves most of the server to
+    /// everyone else, and a crowd from many is cut to its share.
+    pub fn share_of(max_established: u32) -> Self {
+        let part = |divisor: u32| (max_established / divisor).max(1) as usize;
         AddressCaps {
-            pending_per_host: part(max_pending, 4),
-            pending_per_network: part(max_pending, 2),
-            established_per_host: part(max_established, 8),
-            established_per_network: part(max_established, 4),
+            per_host: part(8),
+            per_network: part(4),
+            total: part(1),
         }
     }
 }
 
-/// Counts per group; a group at zero is forgotten.
-#[derive(Debug, Default)]
-struct Counts(HashMap<AddressGroup, usize>);
-
-impl Counts {
-    fn get(&self, group: &AddressGroup) -> usize {
-        self.0.get(group).copied().unwrap_or(0)
-    }
-
-    fn add(&mut self, ip: IpAddr) {
-        for group in [AddressGroup::host(ip), AddressGroup::network(ip)] {
-            *self.0.entry(group).or_insert(0) += 1;
-        }
-    }
-
-    fn remove(&mut self, ip: IpAddr) {
-        for group in [AddressGroup::host(ip), AddressGroup::network(ip)] {
-            if let Some(n) = self.0.get_mut(&group) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.0.remove(&group);
-                }
-            }
-        }
-    }
-
-    /// Refuses when `ip`'s host or network already holds its cap.
-    fn check(&self, ip: IpAddr, per_host: usize, per_network: usize) -> Result<(), LimitReached> {
-        let (host, network) = (AddressGroup::host(ip), AddressGroup::network(ip));
-        for (group, limit) in [(host, per_host), (network, per_network)] {
-            let held = self.get(&group);
-            if held >= limit {
-                return Err(LimitReached { group, limit });
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The error a refused connection carries.
+/// Why a connection was refused.
 #[derive(Debug, thiserror::Error)]
-#[error("{group} holds {limit} connections, the most one source may")]
-pub struct LimitReached {
-    pub group: AddressGroup,
-    pub limit: usize,
+pub enum Refused {
+    #[error("{group} holds {limit} connections, the most one source may")]
+    GroupFull { group: AddressGroup, limit: usize },
+    #[error("all {limit} connections are held and this source holds its share")]
+    Full { limit: usize },
+}
+
+#[derive(Debug)]
+struct Inbound {
+    connection: ConnectionId,
+    peer: PeerId,
+    source: IpAddr,
+    /// Asked to close for a newcomer; no longer counted.
+    closing: bool,
 }
 
 /// The behaviour; without caps it only keeps [`PeerSources`].
 #[derive(Debug)]
 pub struct AddressLimits {
     caps: Option<AddressCaps>,
-    pending: Counts,
-    pending_by_connection: HashMap<ConnectionId, IpAddr>,
-    established: Counts,
-    established_by_connection: HashMap<ConnectionId, IpAddr>,
+    /// Inbound established connections with a source address, oldest first.
+    inbound: Vec<Inbound>,
+    to_close: VecDeque<(PeerId, ConnectionId)>,
+    waker: Option<Waker>,
     sources: PeerSources,
 }
 
@@ -111,10 +84,9 @@ impl AddressLimits {
     pub fn new(caps: Option<AddressCaps>) -> Self {
         AddressLimits {
             caps,
-            pending: Counts::default(),
-            pending_by_connection: HashMap::new(),
-            established: Counts::default(),
-            established_by_connection: HashMap::new(),
+            inbound: Vec::new(),
+            to_close: VecDeque::new(),
+            waker: None,
             sources: PeerSources::default(),
         }
     }
@@ -124,10 +96,42 @@ impl AddressLimits {
         self.sources.clone()
     }
 
-    fn pending_done(&mut self, connection: ConnectionId) {
-        if let Some(ip) = self.pending_by_connection.remove(&connection) {
-            self.pending.remove(ip);
+    /// Admits an inbound connection from `ip`, choosing one to close for
+    /// it when every place is held.
+    fn admit(&mut self, caps: AddressCaps, ip: IpAddr) -> Result<(), Refused> {
+        let counted = || self.inbound.iter().filter(|c| !c.closing);
+        for (group, limit) in [
+            (AddressGroup::host(ip), caps.per_host),
+            (AddressGroup::network(ip), caps.per_network),
+        ] {
+            if counted().filter(|c| group.contains(c.source)).count() >= limit {
+                return Err(Refused::GroupFull { group, limit });
+            }
         }
+        if counted().count() < caps.total {
+            return Ok(());
+        }
+        let crowded = fair_share::crowded(
+            counted().map(|c| (c.connection, Some(c.source))),
+            Some(ip),
+            caps.total,
+        );
+        // The newest of the crowd's: older connections carry sessions more
+        // often than a crowd's latest arrivals.
+        let victim = self
+            .inbound
+            .iter_mut()
+            .rev()
+            .find(|c| !c.closing && crowded.contains(&c.connection))
+            .ok_or(Refused::Full { limit: caps.total })?;
+        victim.closing = true;
+        tracing::debug!(peer = %victim.peer, source = %victim.source,
+            "closing a connection of a source over its share for a newcomer");
+        self.to_close.push_back((victim.peer, victim.connection));
+        if let Some(waker) = self.waker.take() {
+            waker.wake();
+        }
+        Ok(())
     }
 }
 
@@ -135,35 +139,15 @@ impl NetworkBehaviour for AddressLimits {
     type ConnectionHandler = dummy::ConnectionHandler;
     type ToSwarm = Infallible;
 
-    fn handle_pending_inbound_connection(
-        &mut self,
-        connection_id: ConnectionId,
-        _local: &Multiaddr,
-        remote: &Multiaddr,
-    ) -> Result<(), ConnectionDenied> {
-        let (Some(caps), Some(ip)) = (self.caps, source_ip(remote)) else {
-            return Ok(());
-        };
-        self.pending
-            .check(ip, caps.pending_per_host, caps.pending_per_network)
-            .map_err(ConnectionDenied::new)?;
-        self.pending.add(ip);
-        self.pending_by_connection.insert(connection_id, ip);
-        Ok(())
-    }
-
     fn handle_established_inbound_connection(
         &mut self,
-        connection_id: ConnectionId,
+        _connection_id: ConnectionId,
         _peer: PeerId,
         _local: &Multiaddr,
         remote: &Multiaddr,
     ) -> Result<THandler<Self>, ConnectionDenied> {
-        self.pending_done(connection_id);
         if let (Some(caps), Some(ip)) = (self.caps, source_ip(remote)) {
-            self.established
-                .check(ip, caps.established_per_host, caps.established_per_network)
-                .map_err(ConnectionDenied::new)?;
+            self.admit(caps, ip).map_err(ConnectionDenied::new)?;
         }
         Ok(dummy::ConnectionHandler)
     }
@@ -187,8 +171,12 @@ impl NetworkBehaviour for AddressLimits {
                 };
                 self.sources.connected(e.peer_id, e.connection_id, ip);
                 if e.endpoint.is_listener() && self.caps.is_some() {
-                    self.established.add(ip);
-                    self.established_by_connection.insert(e.connection_id, ip);
+                    self.inbound.push(Inbound {
+                        connection: e.connection_id,
+                        peer: e.peer_id,
+                        source: ip,
+                        closing: false,
+                    });
                 }
             }
             FromSwarm::ConnectionClosed(ConnectionClosed {
@@ -197,12 +185,7 @@ impl NetworkBehaviour for AddressLimits {
                 ..
             }) => {
                 self.sources.closed(peer_id, connection_id);
-                if let Some(ip) = self.established_by_connection.remove(&connection_id) {
-                    self.established.remove(ip);
-                }
-            }
-            FromSwarm::ListenFailure(ListenFailure { connection_id, .. }) => {
-                self.pending_done(connection_id);
+                self.inbound.retain(|c| c.connection != connection_id);
             }
             _ => {}
         }
@@ -217,59 +200,92 @@ impl NetworkBehaviour for AddressLimits {
         match event {}
     }
 
-    fn poll(&mut self, _: &mut Context<'_>) -> Poll<ToSwarm<Self::ToSwarm, THandlerInEvent<Self>>> {
-        Poll::Pending
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<ToSwarm<Self::ToSwarm, THandlerInEvent<Self>>> {
+        match self.to_close.pop_front() {
+            Some((peer_id, connection)) => Poll::Ready(ToSwarm::CloseConnection {
+                peer_id,
+                connection: CloseConnection::One(connection),
+            }),
+            None => {
+                self.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use libp2p::core::ConnectedPoint;
+    use libp2p::swarm::behaviour::ConnectionEstablished;
 
-    fn addr(s: &str) -> Multiaddr {
-        s.parse().unwrap()
+    fn addr(ip: &str) -> Multiaddr {
+        format!("/ip4/{ip}/tcp/4001").parse().unwrap()
+    }
+
+    /// Offers an inbound connection from `ip`; its id when let in.
+    fn connect(limits: &mut AddressLimits, next: &mut usize, ip: &str) -> Option<ConnectionId> {
+        *next += 1;
+        let id = ConnectionId::new_unchecked(*next);
+        let (peer, local, remote) = (PeerId::random(), addr("10.0.0.1"), addr(ip));
+        limits
+            .handle_established_inbound_connection(id, peer, &local, &remote)
+            .ok()?;
+        let endpoint = ConnectedPoint::Listener {
+            local_addr: local,
+            send_back_addr: remote,
+        };
+        limits.on_swarm_event(FromSwarm::ConnectionEstablished(ConnectionEstablished {
+            peer_id: peer,
+            connection_id: id,
+            endpoint: &endpoint,
+            failed_addresses: &[],
+            other_established: 0,
+        }));
+        Some(id)
     }
 
     #[test]
-    fn one_host_gets_its_share_of_handshakes_and_others_still_get_in() {
+    fn hosts_and_networks_hold_their_caps_and_crowds_give_way() {
         let mut limits = AddressLimits::new(Some(AddressCaps {
-            pending_per_host: 2,
-            pending_per_network: 3,
-            established_per_host: 8,
-            established_per_network: 8,
+            per_host: 2,
+            per_network: 3,
+            total: 6,
         }));
-        let local = addr("/ip4/10.0.0.1/tcp/1");
         let mut next = 0;
-        let mut pend = |limits: &mut AddressLimits, remote: &str| {
-            next += 1;
-            let id = ConnectionId::new_unchecked(next);
-            limits
-                .handle_pending_inbound_connection(id, &local, &addr(remote))
-                .map(|()| id)
-        };
-        let a = pend(&mut limits, "/ip4/5.5.5.5/tcp/1000").unwrap();
-        pend(&mut limits, "/ip4/5.5.5.5/tcp/1001").unwrap();
-        assert!(
-            pend(&mut limits, "/ip4/5.5.5.5/tcp/1002").is_err(),
-            "host cap"
+        let mut let_in = |limits: &mut AddressLimits, ip: &str| connect(limits, &mut next, ip);
+        assert!(let_in(&mut limits, "5.5.5.5").is_some());
+        assert!(let_in(&mut limits, "5.5.5.5").is_some());
+        assert!(let_in(&mut limits, "5.5.5.5").is_none(), "host cap");
+        assert!(let_in(&mut limits, "5.5.5.6").is_some());
+        assert!(let_in(&mut limits, "5.5.5.7").is_none(), "network cap");
+        // Three more networks of the same region fill the server...
+        let newest = ["5.5.6.1", "5.5.7.1", "5.5.8.1"].map(|ip| let_in(&mut limits, ip).unwrap());
+        // ...and a client from another region still gets in: the crowded
+        // region's newest connection of its most crowded host is closed.
+        assert!(let_in(&mut limits, "9.9.9.9").is_some());
+        let closed: Vec<_> = limits.to_close.iter().map(|(_, c)| *c).collect();
+        assert_eq!(closed.len(), 1);
+        assert!(!newest.contains(&closed[0]), "5.5.5.5 holds the most");
+        // Every region at its share (three each of six): the next one waits.
+        let _ = (
+            let_in(&mut limits, "9.9.9.10"),
+            let_in(&mut limits, "9.9.10.1"),
         );
-        pend(&mut limits, "/ip4/5.5.5.6/tcp/1000").unwrap();
-        assert!(
-            pend(&mut limits, "/ip4/5.5.5.7/tcp/1000").is_err(),
-            "network cap"
-        );
-        pend(&mut limits, "/ip4/6.6.6.6/tcp/1000").unwrap();
-        // A handshake that ends gives its place back.
-        limits.on_swarm_event(FromSwarm::ListenFailure(ListenFailure {
-            local_addr: &local,
-            send_back_addr: &addr("/ip4/5.5.5.5/tcp/1000"),
-            error: &libp2p::swarm::ListenError::Aborted,
-            connection_id: a,
-            peer_id: None,
-        }));
-        pend(&mut limits, "/ip4/5.5.5.5/tcp/1003").unwrap();
+        assert!(let_in(&mut limits, "5.5.9.1").is_none());
         // Relayed connections are the relay's to limit.
         let relayed = format!("/ip4/5.5.5.5/tcp/1/p2p/{}/p2p-circuit", PeerId::random());
-        pend(&mut limits, &relayed).unwrap();
+        assert!(limits
+            .handle_established_inbound_connection(
+                ConnectionId::new_unchecked(999),
+                PeerId::random(),
+                &addr("10.0.0.1"),
+                &relayed.parse().unwrap(),
+            )
+            .is_ok());
     }
 }

@@ -70,7 +70,7 @@ impl NetworkLimits {
             max_per_peer: 8,
             max_established: 512,
             max_pending_incoming: 64,
-            per_address: Some(AddressCaps::share_of(64, 512)),
+            per_address: Some(AddressCaps::share_of(512)),
             max_memory_fraction: Some(0.9),
             allowed_peers: None,
         }
@@ -119,10 +119,15 @@ impl Behaviour {
             }
             list
         });
+        // A server's inbound connections and handshakes are shared between
+        // source addresses (`AddressLimits`, the transports'
+        // `HandshakeShares`), which may let a newcomer in before the place
+        // it takes is closed: libp2p's totals are a backstop above them.
+        let backstop = if limits.per_address.is_some() { 2 } else { 1 };
         let caps = connection_limits::ConnectionLimits::default()
             .with_max_established_per_peer(Some(limits.max_per_peer))
-            .with_max_established(Some(limits.max_established))
-            .with_max_pending_incoming(Some(limits.max_pending_incoming));
+            .with_max_established(Some(limits.max_established.saturating_mul(backstop)))
+            .with_max_pending_incoming(Some(limits.max_pending_incoming.saturating_mul(backstop)));
         Behaviour {
             allowed: allowed.into(),
             limits: connection_limits::Behaviour::new(caps),

@@ -15,8 +15,11 @@ pub mod behaviour;
 pub mod browser;
 pub mod coverage;
 pub mod error_kind;
+pub mod fair_share;
 pub mod flow;
 pub mod framing;
+#[cfg(feature = "native")]
+pub mod handshake_shares;
 pub mod hop_trace;
 pub mod limits;
 pub mod manifest;
@@ -31,6 +34,8 @@ pub mod push_proof;
 #[cfg(feature = "native")]
 pub mod reach;
 pub mod record;
+#[cfg(feature = "native")]
+pub mod relay_reclaim;
 #[cfg(feature = "native")]
 pub mod relay_service;
 #[cfg(feature = "native")]

@@ -13,6 +13,7 @@ use libp2p::identity::Keypair;
 use libp2p::{noise, tcp, yamux, PeerId, Swarm};
 
 use crate::behaviour::{Behaviour, NetworkLimits};
+use crate::handshake_shares::{HandshakeShares, Shared};
 use crate::port_reuse::FreshPortOnRefusal;
 use crate::reach::{Reach, ReachSettings};
 
@@ -61,18 +62,19 @@ pub async fn build_swarm(
         Behaviour::new(key, update_period, limits, Some(reach))
     };
     let builder = libp2p::SwarmBuilder::with_existing_identity(keypair).with_tokio();
+    // Every inbound handshake of a server, whichever transport, holds a
+    // place of one table shared between source addresses.
+    let handshakes = HandshakeShares::new(limits.max_pending_incoming as usize);
+    let shared = |transport| Shared::new(transport, handshakes.clone());
     let swarm = match server {
         Some(server) => builder
-            .with_quic_config(|mut c| {
-                // A dead peer's UDP port never answers: give up on it quickly.
-                c.handshake_timeout = Duration::from_secs(3);
-                c
-            })
-            .with_other_transport(tcp_transport)?
+            .with_other_transport(|key| Ok::<_, BoxError>(shared(quic_transport(key))))?
+            .with_other_transport(|key| Ok::<_, BoxError>(shared(tcp_transport(key)?)))?
             .with_other_transport(|key| {
-                Ok::<_, BoxError>(libp2p_webrtc::tokio::Transport::new(
-                    key.clone(),
-                    server.webrtc,
+                Ok::<_, BoxError>(shared(
+                    libp2p_webrtc::tokio::Transport::new(key.clone(), server.webrtc)
+                        .map(|(peer, connection), _| (peer, StreamMuxerBox::new(connection)))
+                        .boxed(),
                 ))
             })?
             .with_other_transport(|key| {
@@ -82,11 +84,13 @@ pub async fn build_swarm(
                 if let Some(tls) = server.websocket_tls {
                     ws.set_tls_config(tls);
                 }
-                Ok::<_, BoxError>(
+                Ok::<_, BoxError>(shared(
                     ws.upgrade(Version::V1Lazy)
                         .authenticate(noise::Config::new(key)?)
-                        .multiplex(yamux::Config::default()),
-                )
+                        .multiplex(yamux::Config::default())
+                        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+                        .boxed(),
+                ))
             })?
             .with_dns()?
             .with_relay_client(noise::Config::new, yamux::Config::default)?
@@ -106,6 +110,16 @@ pub async fn build_swarm(
             .build(),
     };
     Ok(swarm)
+}
+
+/// QUIC, giving up quickly on a peer that never answers (a dead peer's UDP
+/// port stays silent).
+fn quic_transport(key: &Keypair) -> Boxed<(PeerId, StreamMuxerBox)> {
+    let mut config = libp2p::quic::Config::new(key);
+    config.handshake_timeout = Duration::from_secs(3);
+    libp2p::quic::tokio::Transport::new(config)
+        .map(|(peer, connection), _| (peer, StreamMuxerBox::new(connection)))
+        .boxed()
 }
 
 fn tcp_config() -> tcp::Config {

@@ -6,7 +6,7 @@
 //! host and network have fewer than their share open or being set up;
 //! [`RelayService`] wraps the relay to tell it when circuits open and close.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -15,12 +15,13 @@ use libp2p::core::transport::PortUse;
 use libp2p::core::Endpoint;
 use libp2p::relay::{self, RateLimiter};
 use libp2p::swarm::{
-    ConnectionDenied, ConnectionId, FromSwarm, NetworkBehaviour, THandler, THandlerInEvent,
-    THandlerOutEvent, ToSwarm,
+    CloseConnection, ConnectionDenied, ConnectionId, FromSwarm, NetworkBehaviour, THandler,
+    THandlerInEvent, THandlerOutEvent, ToSwarm,
 };
 use libp2p::{Multiaddr, PeerId};
 use web_time::Instant;
 
+use crate::relay_reclaim::ReservationLedger;
 use crate::source_address::{source_ip, AddressGroup};
 
 /// A circuit admitted but neither accepted nor refused within this long is
@@ -171,18 +172,24 @@ impl RateLimiter for CircuitShares {
     }
 }
 
-/// libp2p's relay, telling [`CircuitShares`] when circuits open and close.
+/// libp2p's relay, telling [`CircuitShares`] when circuits open and close,
+/// and ending reservations of crowds over their share when a newcomer is
+/// refused ([`ReservationLedger`]).
 pub struct RelayService {
     relay: relay::Behaviour,
     shares: CircuitShares,
+    ledger: ReservationLedger,
+    to_close: VecDeque<PeerId>,
 }
 
 impl RelayService {
     /// `config` must carry `shares.limiter()` among its circuit limiters.
     pub fn new(peer: PeerId, config: relay::Config, shares: CircuitShares) -> Self {
         RelayService {
+            ledger: ReservationLedger::new(config.max_reservations),
             relay: relay::Behaviour::new(peer, config),
             shares,
+            to_close: VecDeque::new(),
         }
     }
 }
@@ -249,6 +256,15 @@ impl NetworkBehaviour for RelayService {
     }
 
     fn on_swarm_event(&mut self, event: FromSwarm) {
+        match &event {
+            FromSwarm::ConnectionEstablished(e) => self
+                .ledger
+                .connected(e.peer_id, source_ip(e.endpoint.get_remote_address())),
+            FromSwarm::ConnectionClosed(e) if e.remaining_established == 0 => {
+                self.ledger.disconnected(&e.peer_id)
+            }
+            _ => {}
+        }
         self.relay.on_swarm_event(event)
     }
 
@@ -266,9 +282,19 @@ impl NetworkBehaviour for RelayService {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<ToSwarm<Self::ToSwarm, THandlerInEvent<Self>>> {
+        if let Some(peer_id) = self.to_close.pop_front() {
+            return Poll::Ready(ToSwarm::CloseConnection {
+                peer_id,
+                connection: CloseConnection::All,
+            });
+        }
         let polled = self.relay.poll(cx);
         if let Poll::Ready(ToSwarm::GenerateEvent(event)) = &polled {
             self.shares.on_event(event);
+            if let Some(victim) = self.ledger.on_event(event) {
+                self.to_close.push_back(victim);
+                cx.waker().wake_by_ref();
+            }
         }
         polled
     }

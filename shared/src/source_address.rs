@@ -3,7 +3,10 @@
 //! Peer ids cost nothing, so a limit that counts per id limits nothing; IP
 //! addresses cost something. One host is an IPv4 address or an IPv6 /64
 //! (what one customer line gets); one network is an IPv4 /24 or an IPv6
-//! /48 (what one hoster or one customer's block holds). Limits count both.
+//! /48 (what one hoster or one customer's block holds); one region is an
+//! IPv4 /16 or an IPv6 /32 (what one provider's allocation often is, so a
+//! crowd renting many /24s from one provider still counts as one). Limits
+//! count them all, widest first ([`Level::WIDEST_FIRST`]).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -14,7 +17,7 @@ use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
 
 /// A block of addresses sharing a prefix: the masked address and its length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AddressGroup {
     prefix: IpAddr,
     bits: u8,
@@ -50,6 +53,42 @@ impl AddressGroup {
             IpAddr::V6(_) => Self::masked(ip, 48),
         }
     }
+
+    /// The region `ip` is in: its /16 (IPv4) or /32 (IPv6).
+    pub fn region(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::masked(ip, 16),
+            IpAddr::V6(_) => Self::masked(ip, 32),
+        }
+    }
+
+    /// Whether `ip` is in this group.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        Self::masked(ip, self.bits) == *self
+    }
+
+    /// The group of `ip` at `level`.
+    pub fn at(level: Level, ip: IpAddr) -> Self {
+        match level {
+            Level::Region => Self::region(ip),
+            Level::Network => Self::network(ip),
+            Level::Host => Self::host(ip),
+        }
+    }
+}
+
+/// How wide a group of addresses is; see the module's header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Level {
+    Region,
+    Network,
+    Host,
+}
+
+impl Level {
+    /// Shares are decided between regions first, then between the networks
+    /// of one region, then between the hosts of one network.
+    pub const WIDEST_FIRST: [Level; 3] = [Level::Region, Level::Network, Level::Host];
 }
 
 impl std::fmt::Display for AddressGroup {
@@ -141,6 +180,14 @@ mod tests {
         assert_eq!(
             AddressGroup::network(ip("2001:db8:1:2::1")).to_string(),
             "2001:db8:1::/48"
+        );
+        assert_eq!(
+            AddressGroup::region(ip("10.1.2.3")).to_string(),
+            "10.1.0.0/16"
+        );
+        assert_eq!(
+            AddressGroup::at(Level::Region, ip("2001:db8:1:2::1")).to_string(),
+            "2001:db8::/32"
         );
     }
 

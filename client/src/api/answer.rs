@@ -2,6 +2,7 @@
 //! streamed back as server-sent events or gathered into one response.
 
 use std::convert::Infallible;
+use std::net::IpAddr;
 use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::admission::AnswerPlace;
 use super::error::ApiError;
 use super::request::{check_coverage, fresh_seed, Job};
 use super::state::ApiState;
@@ -50,12 +52,12 @@ pub(super) struct Finished {
 pub(super) fn spawn_answer(
     state: Arc<ApiState>,
     job: Job,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    place: AnswerPlace,
 ) -> mpsc::UnboundedReceiver<Progress> {
     let (tx, rx) = mpsc::unbounded_channel();
     let runtime = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
-        let _permit = permit;
+        let _place = place;
         runtime.block_on(answer(state, job, tx));
     });
     rx
@@ -254,12 +256,10 @@ pub(super) async fn respond(
     state: Arc<ApiState>,
     kind: Kind,
     job: Job,
+    from: Option<IpAddr>,
 ) -> Result<Response, ApiError> {
     check_coverage(&state, job.adapter.as_deref()).await?;
-    let permit =
-        state.permits.clone().acquire_owned().await.map_err(|_| {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the API is shutting down")
-        })?;
+    let place = state.admission.admit(from).await?;
     let id = format!(
         "{}-{:016x}",
         match kind {
@@ -271,7 +271,7 @@ pub(super) async fn respond(
     let created = now_secs();
     let model = job.model.clone();
     let (stream, include_usage) = (job.stream, job.include_usage);
-    let mut rx = spawn_answer(state.clone(), job, permit);
+    let mut rx = spawn_answer(state.clone(), job, place);
     if !stream {
         let mut text = String::new();
         while let Some(progress) = rx.recv().await {

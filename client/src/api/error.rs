@@ -1,5 +1,7 @@
 //! The API's errors, in OpenAI's JSON shape.
 
+use std::time::Duration;
+
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -17,6 +19,9 @@ pub(super) struct ApiError {
     pub(super) code: Option<&'static str>,
     /// Already counted in `/metrics` (where it happened, in the answer's task).
     pub(super) counted: bool,
+    /// For a refusal a later try can get past: when to try again (else
+    /// [`RETRY_AFTER_SECONDS`]).
+    pub(super) retry_after: Option<Duration>,
 }
 
 impl ApiError {
@@ -26,7 +31,17 @@ impl ApiError {
             message: message.into(),
             code: None,
             counted: false,
+            retry_after: None,
         }
+    }
+
+    /// A refusal for want of room (429, code `busy`), to try again after
+    /// `retry_after`.
+    pub(super) fn busy(message: impl Into<String>, retry_after: Duration) -> Self {
+        let mut e =
+            Self::new(StatusCode::TOO_MANY_REQUESTS, message).with_code(ErrorKind::Busy.as_str());
+        e.retry_after = Some(retry_after);
+        e
     }
 
     pub(super) fn bad_request(message: impl Into<String>) -> Self {
@@ -73,9 +88,12 @@ impl IntoResponse for ApiError {
         );
         let mut response = (self.status, Json(self.body())).into_response();
         if retryable {
+            let seconds = self.retry_after.map_or(RETRY_AFTER_SECONDS, |wait| {
+                u32::try_from(wait.as_secs()).unwrap_or(u32::MAX).max(1)
+            });
             response.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from(RETRY_AFTER_SECONDS),
+                axum::http::HeaderValue::from(seconds),
             );
         }
         response
@@ -88,10 +106,10 @@ impl From<ClientError> for ApiError {
         let kind = e.kind();
         let status = match kind {
             ErrorKind::BadRequest | ErrorKind::ContextLengthExceeded => StatusCode::BAD_REQUEST,
-            ErrorKind::NoCoverage
-            | ErrorKind::ModelMismatch
-            | ErrorKind::Busy
-            | ErrorKind::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Busy => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::NoCoverage | ErrorKind::ModelMismatch | ErrorKind::ShuttingDown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ErrorKind::Unreachable | ErrorKind::BadServer => StatusCode::BAD_GATEWAY,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
@@ -114,7 +132,7 @@ mod tests {
     #[test]
     fn a_busy_swarm_says_so_and_when_to_try_again() {
         let response = ApiError::from(refused(ErrorKind::Busy)).into_response();
-        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(
             response.headers().get(axum::http::header::RETRY_AFTER),
             Some(&axum::http::HeaderValue::from(RETRY_AFTER_SECONDS))

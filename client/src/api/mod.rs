@@ -5,6 +5,7 @@
 //! server sessions. Request bodies are bounded, errors come in OpenAI's
 //! JSON shape, and `/metrics` speaks Prometheus' text format.
 
+mod admission;
 mod answer;
 mod error;
 mod metrics;
@@ -20,13 +21,14 @@ use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use corolla_http::serve_bounded;
+use axum::{Extension, Json, Router};
+use corolla_http::{serve_bounded, ClientAddress};
 use corolla_shared::adapter_name::check_adapter_name;
 use serde_json::{json, Value};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::oneshot;
 
 use crate::assistant::Assistant;
+use admission::Admission;
 use answer::{respond, Kind};
 use error::ApiError;
 use metrics::Metrics;
@@ -72,7 +74,7 @@ pub async fn serve(assistant: Arc<Assistant>, settings: ApiSettings) -> std::io:
     corolla_http::raise_open_file_limit();
     let state = Arc::new(ApiState {
         assistant,
-        permits: Arc::new(Semaphore::new(settings.max_concurrent.max(1))),
+        admission: Admission::new(settings.max_concurrent),
         kept: Mutex::new(Vec::new()),
         metrics: Metrics::default(),
         settings,
@@ -194,7 +196,11 @@ fn check_model(state: &ApiState, model: &str) -> Result<Option<String>, ApiError
     }
 }
 
-async fn chat_completions(State(state): State<Arc<ApiState>>, body: Body) -> Response {
+async fn chat_completions(
+    State(state): State<Arc<ApiState>>,
+    from: Option<Extension<ClientAddress>>,
+    body: Body,
+) -> Response {
     state.metrics.request("chat_completions");
     let result = async {
         let request: ChatRequest = parse_body(&state, body).await?;
@@ -202,13 +208,23 @@ async fn chat_completions(State(state): State<Arc<ApiState>>, body: Body) -> Res
         let messages = chat_messages(request.messages)?;
         let prompt_ids = state.assistant.chat_prompt(&messages)?;
         let job = job(&state, request.common, adapter, prompt_ids)?;
-        respond(state.clone(), Kind::Chat, job).await
+        respond(
+            state.clone(),
+            Kind::Chat,
+            job,
+            from.and_then(|Extension(a)| a.0),
+        )
+        .await
     }
     .await;
     finish(&state, result)
 }
 
-async fn completions(State(state): State<Arc<ApiState>>, body: Body) -> Response {
+async fn completions(
+    State(state): State<Arc<ApiState>>,
+    from: Option<Extension<ClientAddress>>,
+    body: Body,
+) -> Response {
     state.metrics.request("completions");
     let result = async {
         let request: CompletionRequest = parse_body(&state, body).await?;
@@ -222,7 +238,13 @@ async fn completions(State(state): State<Arc<ApiState>>, body: Body) -> Response
         };
         let prompt_ids = state.assistant.tokenizer().encode(&prompt)?;
         let job = job(&state, request.common, adapter, prompt_ids)?;
-        respond(state.clone(), Kind::Completion, job).await
+        respond(
+            state.clone(),
+            Kind::Completion,
+            job,
+            from.and_then(|Extension(a)| a.0),
+        )
+        .await
     }
     .await;
     finish(&state, result)

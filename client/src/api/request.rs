@@ -286,6 +286,20 @@ pub(super) async fn check_coverage(
     if uncovered.is_empty() {
         return Ok(());
     }
+    if let Some(next_try) = view.busy_covers(layers, adapter) {
+        return Err(ApiError::busy(
+            format!(
+                "busy: every server of blocks {} is full now; retry in {} s",
+                uncovered
+                    .iter()
+                    .map(|(a, b)| format!("{a}..{b}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                next_try.as_secs().max(1)
+            ),
+            next_try,
+        ));
+    }
     Err(match adapter {
         Some(adapter) => ClientError::AdapterNotServed {
             adapter: adapter.to_string(),

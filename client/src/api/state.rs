@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use corolla_http::HttpLimits;
-use tokio::sync::Semaphore;
 
+use super::admission::Admission;
 use super::metrics::Metrics;
 use crate::assistant::{Assistant, Conversation};
 use crate::tokens::common_prefix;
@@ -53,7 +53,7 @@ impl Default for ApiSettings {
 pub(super) struct ApiState {
     pub(super) assistant: Arc<Assistant>,
     pub(super) settings: ApiSettings,
-    pub(super) permits: Arc<Semaphore>,
+    pub(super) admission: Arc<Admission>,
     /// Finished conversations, oldest first.
     pub(super) kept: Mutex<Vec<Conversation>>,
     pub(super) metrics: Metrics,

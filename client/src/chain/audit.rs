@@ -7,8 +7,10 @@
 //! position where they differ (`recheck`).
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use corolla_shared::session::SessionError;
+use corolla_shared::time::with_timeout;
 use corolla_shared::{ErrorKind, TensorPayload};
 use libp2p::PeerId;
 
@@ -20,6 +22,13 @@ use crate::spot_check::{agree_within, tolerance_on_the_wire, Witness, WitnessErr
 /// blocks where it has them.
 const WITNESS_TRIES: usize = 3;
 
+/// A witness is given this many times what the primary's step is expected
+/// to take (measured, else announced) for what it is asked, and at least
+/// [`WITNESS_WAIT_FLOOR`]: a crowd of fakes that accept a session and stay
+/// silent then costs about a second each, not a step timeout each.
+const WITNESS_WAIT_FACTOR: f64 = 4.0;
+const WITNESS_WAIT_FLOOR: Duration = Duration::from_secs(1);
+
 /// Why a server caught by a spot check is banned.
 const WRONG_ACTIVATIONS: &str = "returned wrong activations (spot check)";
 
@@ -28,6 +37,11 @@ const WRONG_ACTIVATIONS: &str = "returned wrong activations (spot check)";
 enum Role {
     Witness,
     ThirdOpinion,
+}
+
+/// The positions a step's activations carry.
+fn positions(payload: &TensorPayload) -> usize {
+    payload.shape.get(1).copied().unwrap_or(1).max(1)
 }
 
 /// The first of `peers` as a peer id (they came from parsed records).
@@ -199,33 +213,66 @@ impl RemoteChain {
         }
         // A witness that fails (a server dying, leaving) is replaced: were
         // the step let through unchecked, a liar could wait for that moment.
-        let mut exclude: HashSet<String> = primary_peers.iter().cloned().collect();
+        let mut exclude: HashSet<String> = primary_peers
+            .iter()
+            .chain(&self.failed_witnesses)
+            .cloned()
+            .collect();
         for _ in 0..WITNESS_TRIES {
             if self.hops[index].witness.is_none() {
                 let witness = self.new_witness(index, &exclude, Role::Witness).await?;
                 self.hops[index].witness = Some((witness, 0));
             }
+            let deadline = {
+                let hop = &self.hops[index];
+                let fed = hop.witness.as_ref().map_or(0, |(_, fed)| *fed);
+                let unseen = hop.history[fed.min(hop.history.len())..]
+                    .iter()
+                    .map(|(_, p)| positions(p))
+                    .sum::<usize>();
+                self.witness_wait(index, unseen + positions(input))
+            };
             let hop = &mut self.hops[index];
             let (witness, fed) = hop.witness.as_mut()?;
             // A caught step was fed but never entered the history.
             let fed_before = (*fed).min(hop.history.len());
-            let result = match witness.replay(&hop.history[fed_before..]).await {
-                Ok(_) => witness.step(start, input).await,
-                Err(e) => Err(e),
-            };
-            match result {
-                Ok(out) => {
+            let answered = with_timeout(deadline, async {
+                witness.replay(&hop.history[fed_before..]).await?;
+                witness.step(start, input).await
+            })
+            .await;
+            match answered {
+                Ok(Ok(out)) => {
                     *fed = hop.history.len() + 1;
                     return Some(out);
                 }
-                Err(e) => {
+                failure => {
                     let failed = witness.peers();
-                    match e {
-                        WitnessError::Server(e) => tracing::debug!(error = %e, "a witness failed"),
-                        WitnessError::Local(e) => {
-                            tracing::warn!(error = %e, "the client's own check failed")
+                    // A witness server that fails or is late is passed over
+                    // like any failed server (its host and record suspect),
+                    // so copies of its record are not asked next.
+                    let why = match failure {
+                        Err(_) => Some((
+                            ErrorKind::Unreachable,
+                            format!("did not answer within {deadline:?} as a witness"),
+                        )),
+                        Ok(Err(WitnessError::Server(e))) => {
+                            tracing::debug!(error = %e, "a witness failed");
+                            Some((e.kind(), format!("failed as a witness: {e}")))
                         }
+                        Ok(Err(WitnessError::Local(e))) => {
+                            tracing::warn!(error = %e, "the client's own check failed");
+                            None
+                        }
+                        Ok(Ok(_)) => None,
+                    };
+                    if let Some((kind, why)) = why {
+                        for peer in &failed {
+                            self.view.ban_for(peer, kind, &why);
+                        }
+                        self.failed_witnesses.extend(failed.iter().cloned());
                     }
+                    let hop = &mut self.hops[index];
                     if let Some((w, _)) = hop.witness.take() {
                         w.close().await;
                     }
@@ -238,6 +285,22 @@ impl RemoteChain {
             }
         }
         None
+    }
+
+    /// How long a witness of hop `index` may take for `positions`; see
+    /// [`WITNESS_WAIT_FACTOR`].
+    fn witness_wait(&self, index: usize, positions: usize) -> Duration {
+        let expected = self.hops[index]
+            .sessions
+            .iter()
+            .map(|(hop, _)| self.view.expected_step_seconds(hop))
+            .sum::<f64>()
+            * positions.max(1) as f64;
+        Duration::from_secs_f64(
+            (WITNESS_WAIT_FACTOR * expected)
+                .max(WITNESS_WAIT_FLOOR.as_secs_f64())
+                .min(self.settings.timeout.as_secs_f64()),
+        )
     }
 
     /// A witness for hop `index` that uses none of `exclude`: other servers

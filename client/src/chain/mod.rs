@@ -14,7 +14,7 @@ mod push;
 mod recovery;
 mod slow;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use corolla_model::wire::{from_view, to_payload};
@@ -57,6 +57,10 @@ pub struct RemoteChain {
     recoveries: Vec<Recovery>,
     /// Servers spot checks caught returning wrong activations.
     suspects: Vec<String>,
+    /// Servers that failed as witnesses of this chain: not asked again by
+    /// it, however short their ban (a crowd of silent copies would be
+    /// asked again each time a ban ran out).
+    failed_witnesses: HashSet<String>,
     schedule: Schedule,
     steps: usize,
     /// Steps that went down the whole route by push.
@@ -103,6 +107,7 @@ impl RemoteChain {
             tainted: None,
             recoveries: Vec::new(),
             suspects: Vec::new(),
+            failed_witnesses: HashSet::new(),
             schedule,
             via: HashMap::new(),
             steps: 0,

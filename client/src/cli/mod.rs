@@ -96,7 +96,9 @@ struct ApiArgs {
     /// Requests must send `Authorization: Bearer KEY`.
     #[arg(long, env = "COROLLA_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Answers generated at once; further requests wait.
+    /// Answers generated at once, shared between client addresses; further
+    /// requests wait in line up to 20 s (a freed place goes to the address
+    /// holding the fewest), else are refused busy (429, Retry-After).
     #[arg(long, default_value_t = 16)]
     max_concurrent: usize,
     /// Finished conversations whose server sessions stay open for follow-ups.

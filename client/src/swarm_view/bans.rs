@@ -11,7 +11,9 @@ use corolla_shared::{ErrorKind, ServerRecord};
 use libp2p::PeerId;
 use web_time::Instant;
 
-use super::{SwarmView, ViewState, BAN_BASE, BAN_MAX, SUSPECT_PENALTY, UNKNOWN_PENALTY};
+use super::{
+    SwarmView, ViewState, BAN_BASE, BAN_MAX, BUSY_COOL_OFF, SUSPECT_PENALTY, UNKNOWN_PENALTY,
+};
 
 impl SwarmView {
     /// Lifts the bans of servers that only refused for want of sessions
@@ -28,13 +30,23 @@ impl SwarmView {
             state.last_failure.remove(&peer);
             state.bans.remove(&peer);
         }
+        state.busy_until.clear();
     }
 
     /// Bans `peer` after `why`, kept for error messages; see [`Self::ban`].
+    /// A busy server is only passed over for [`BUSY_COOL_OFF`].
     pub fn ban_for(&self, peer: &str, kind: ErrorKind, why: &str) {
-        self.state()
+        let mut state = self.state();
+        state
             .last_failure
             .insert(peer.to_string(), (kind, why.to_string()));
+        if kind == ErrorKind::Busy {
+            state
+                .busy_until
+                .insert(peer.to_string(), Instant::now() + BUSY_COOL_OFF);
+            return;
+        }
+        drop(state);
         self.ban(peer);
     }
 
@@ -61,6 +73,38 @@ impl SwarmView {
             }
         }
         self.refresh_in_background();
+    }
+
+    /// When blocks `0..num_layers` that no usable server runs with
+    /// `adapter` are run by servers only passed over for being busy (the
+    /// swarm is full, not short of blocks): how long until the first of
+    /// those is tried again.
+    pub fn busy_covers(&self, num_layers: usize, adapter: Option<&str>) -> Option<Duration> {
+        let now = Instant::now();
+        let state = self.state();
+        let next_try = state
+            .busy_until
+            .values()
+            .filter(|until| now < **until)
+            .min()?
+            .duration_since(now);
+        let not_banned: Vec<ServerRecord> = state
+            .records
+            .iter()
+            .filter(|r| {
+                self.shared.filter.admits(&r.peer_id)
+                    && super::can_dial(r)
+                    && state
+                        .bans
+                        .get(&r.peer_id)
+                        .is_none_or(|(_, until)| now >= *until)
+                    && adapter.is_none_or(|name| r.adapters.iter().any(|a| a == name))
+            })
+            .cloned()
+            .collect();
+        crate::route::uncovered_blocks(&not_banned, num_layers)
+            .is_empty()
+            .then_some(next_try)
     }
 
     /// The host `peer` is connected at now, if it is.

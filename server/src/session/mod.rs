@@ -296,8 +296,9 @@ pub(crate) async fn serve(
                 break;
             }
             Incoming::Evicted => {
-                let msg = "busy: this server is full and its place went to a client from \
-                           another address; continue elsewhere";
+                let msg = "busy: this server is full and this session's place went to a \
+                           waiting client (it was idle, or its addresses held more than their \
+                           share); continue elsewhere";
                 io.send(Err((ErrorCode::Busy, msg.into())), deadline).await;
                 cut_short = true;
                 break;

@@ -104,7 +104,8 @@ pub(super) async fn open_session(
     let slot = ctx
         .settings
         .sessions
-        .try_take(ctx.settings.holder(peer))
+        .take_waiting(ctx.settings.holder(peer))
+        .await
         .map_err(|refusal| {
             let message = match refusal {
                 Refusal::Full { limit } => format!("busy: {limit}/{limit} sessions in use"),

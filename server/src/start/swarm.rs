@@ -64,10 +64,7 @@ impl JoinedSwarm {
         let limits = NetworkLimits {
             max_per_peer: args.max_connections_per_peer.max(1),
             max_established,
-            per_address: Some(AddressCaps::share_of(
-                defaults.max_pending_incoming,
-                max_established,
-            )),
+            per_address: Some(AddressCaps::share_of(max_established)),
             ..defaults
         }
         .with_allowed_peers(allowed_peers.clone());

@@ -12,6 +12,7 @@
 mod adapters;
 mod api;
 mod batch;
+mod crowds;
 mod default_model;
 mod docs;
 mod drafts;

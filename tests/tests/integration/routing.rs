@@ -199,3 +199,45 @@ async fn a_server_slower_than_it_claims_is_left_within_a_few_steps() {
         .set("seconds", format!("{seconds:.1}"))
         .save();
 }
+
+/// Ten silent copies of the honest record, each on a network of its own,
+/// as spot-check witnesses: every step is checked (`--spot-check 1`) and a
+/// step may take 5 s. A witness is given a few times the primary's
+/// expected step time (at least 1 s), and one that stays silent is banned
+/// with its host and record: the fakes cost about a second each, not a
+/// step timeout each (before: 55 s for the answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_witnesses_cost_a_second_each() {
+    const FAKES: usize = 10;
+    let reference = Reference::load();
+    let (server, boot, honest) = server_to_copy().await;
+    let mut crowd = Vec::new();
+    for i in 0..FAKES {
+        let host = Ipv4Addr::new(127, 150 + i as u8, 0, 1);
+        crowd.push(lying_server_at(host, &boot, &honest, Lie::Silent).await);
+    }
+    let fakes: Vec<PeerId> = crowd.iter().map(|(peer, _)| *peer).collect();
+    let node = connect(std::slice::from_ref(&boot)).await.unwrap();
+    until_most_announced(&node, &fakes, 8).await;
+    let mut session = settings(64);
+    session.timeout = std::time::Duration::from_secs(5);
+    session.spot_check = 1.0;
+    let started = Instant::now();
+    let (tokens, chain) = swarm_tokens(&reference, &node, session, 5).await;
+    let seconds = started.elapsed().as_secs_f64();
+    assert_eq!(tokens, reference.tokens(5).await);
+    // At most one step timeout (a fake chosen first as the primary) and
+    // about a second per fake asked as a witness.
+    let bound = 5.0 + FAKES as f64 * 1.5 + 3.0;
+    println!("{FAKES} silent fakes as witnesses of every step: the answer took {seconds:.1} s (bound {bound:.0} s); recoveries {:?}", chain.recoveries());
+    assert!(seconds < bound, "{seconds:.1} s");
+    chain.close().await;
+    for (_, task) in crowd {
+        task.abort();
+    }
+    server.shutdown();
+    Figures::of("routing::silent_witnesses_cost_a_second_each")
+        .set("fakes", FAKES)
+        .set("seconds", format!("{seconds:.1}"))
+        .save();
+}

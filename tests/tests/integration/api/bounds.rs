@@ -1,5 +1,7 @@
 //! The API's connection cap, header deadline and token cap.
 
+use std::sync::Arc;
+
 use super::*;
 
 /// The API's own bounds, on a local model (no swarm needed): idle sockets
@@ -142,4 +144,105 @@ fn one_host_cannot_hold_every_connection() {
     corolla_tests::reliability::Figures::of("api::bounds::one_host_cannot_hold_every_connection")
         .set("served_ms", served_in.as_millis())
         .save();
+}
+
+/// A completion request from `interface`: the status, the `Retry-After`
+/// header if any, and the body.
+fn completion_from(api: &Api, interface: &str, body: &str) -> (u16, Option<String>, String) {
+    let out = curl(&[
+        "-s",
+        "-i",
+        "--max-time",
+        "60",
+        "--interface",
+        interface,
+        "-H",
+        &format!("Authorization: Bearer {KEY}"),
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+        &format!("{}/completions", api.base),
+    ]);
+    let (head, body) = out.split_once("\r\n\r\n").expect("a response head");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status");
+    let retry_after = head.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.eq_ignore_ascii_case("retry-after")
+            .then(|| value.trim().to_string())
+    });
+    (status, retry_after, body.to_string())
+}
+
+/// Answers are shared between client addresses: a burst of 24 requests
+/// from one host on an API generating 2 at once gets its 2, queues 2 and
+/// is refused busy (429, `Retry-After`) for the rest, at once; a request
+/// from another host during the burst is served, and so is the burst's
+/// host once it ended.
+#[test]
+fn a_burst_from_one_host_is_refused_busy_and_leaves_room_for_others() {
+    let model = corolla_tests::tiny_llama();
+    let api = Arc::new(Api::start(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--local",
+        "--max-concurrent",
+        "2",
+    ]));
+    let body = serde_json::json!({
+        "model": "tiny-llama-a",
+        "prompt": "Hello",
+        "max_tokens": 200,
+        "temperature": 0,
+    })
+    .to_string();
+    let burst: Vec<_> = (0..24)
+        .map(|_| {
+            let (api, body) = (api.clone(), body.clone());
+            std::thread::spawn(move || completion_from(&api, "127.0.0.1", &body))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let (other, _, other_body) = completion_from(&api, "127.0.0.2", &body);
+    let other_took = started.elapsed();
+    let replies: Vec<_> = burst.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(other, 200, "another host during the burst: {other_body}");
+    let served = replies.iter().filter(|(s, _, _)| *s == 200).count();
+    let refused: Vec<_> = replies.iter().filter(|(s, _, _)| *s != 200).collect();
+    for (status, retry_after, body) in &refused {
+        assert_eq!(*status, 429, "{body}");
+        let json: Value = serde_json::from_str(body).expect("a JSON error");
+        assert_eq!(json["error"]["code"], "busy", "{json}");
+        assert!(
+            retry_after
+                .as_deref()
+                .and_then(|s| s.parse::<u32>().ok())
+                .is_some(),
+            "no Retry-After: {body}"
+        );
+    }
+    assert!(
+        !refused.is_empty() && served >= 2,
+        "{served} served, {} refused",
+        refused.len()
+    );
+    let (after, _, after_body) = completion_from(&api, "127.0.0.1", &body);
+    assert_eq!(after, 200, "after the burst: {after_body}");
+    println!(
+        "API with 2 answers at once: a burst of 24 from one host, {served} served and {} \
+         refused busy; another host served in {other_took:?}; the burst's host served after it",
+        refused.len()
+    );
+    corolla_tests::reliability::Figures::of(
+        "api::bounds::a_burst_from_one_host_is_refused_busy_and_leaves_room_for_others",
+    )
+    .set("served", served)
+    .set("refused", refused.len())
+    .set("other_ms", other_took.as_millis())
+    .save();
 }

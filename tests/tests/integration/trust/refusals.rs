@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 use corolla_client::network::connect;
 use corolla_client::{generate, RemoteChain};
 use corolla_model::Device;
-use corolla_tests::hostile::{exchange, open_stream};
+use corolla_shared::protocol::encode_step;
+use corolla_tests::hostile::{exchange, hidden_payload, open_stream};
 use corolla_tests::reliability::Figures;
 use corolla_tests::start_server;
 
@@ -36,13 +37,24 @@ async fn refusals_are_named_quickly() {
         "{too_long_after:?}"
     );
 
-    // Busy: the one session is taken.
+    // Busy: the one session is taken, and kept working (an idle one would
+    // give its place to a client that waits).
     let other = client_of(&server).await;
     let mut s = open_stream(&other, server.peer_id()).await;
     assert!(matches!(
         exchange(&mut s, &open_frame(16, 0)).await,
         Some((None, _))
     ));
+    let working = tokio::spawn(async move {
+        for position in 0..15 {
+            let step = encode_step(position, &hidden_payload(1, 64));
+            if !matches!(exchange(&mut s, &step).await, Some((None, _))) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     let err = RemoteChain::connect(&node, settings(16), &Device::Cpu)
         .await
@@ -51,6 +63,7 @@ async fn refusals_are_named_quickly() {
     assert!(err.to_string().contains("busy: 1/1 sessions"), "{err}");
     let busy_after = started.elapsed();
     assert!(busy_after < Duration::from_secs(8));
+    working.abort();
     Figures::of("trust::refusals::refusals_are_named_quickly")
         .set("too_long_ms", too_long_after.as_millis())
         .set("busy_ms", busy_after.as_millis())
