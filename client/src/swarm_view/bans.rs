@@ -34,20 +34,15 @@ impl SwarmView {
     }
 
     /// Bans `peer` after `why`, kept for error messages; see [`Self::ban`].
-    /// A busy server is only passed over for [`BUSY_COOL_OFF`].
+    /// A busy server itself is only passed over for [`BUSY_COOL_OFF`]
+    /// (being full is no fault, and a burst's refusals must end with it);
+    /// its host and record become suspect as for any failure, so a crowd
+    /// of copies refusing as busy still costs one try.
     pub fn ban_for(&self, peer: &str, kind: ErrorKind, why: &str) {
-        let mut state = self.state();
-        state
+        self.state()
             .last_failure
             .insert(peer.to_string(), (kind, why.to_string()));
-        if kind == ErrorKind::Busy {
-            state
-                .busy_until
-                .insert(peer.to_string(), Instant::now() + BUSY_COOL_OFF);
-            return;
-        }
-        drop(state);
-        self.ban(peer);
+        self.pass_over(peer, kind == ErrorKind::Busy);
     }
 
     /// Bans `peer` with exponential backoff (4 s, 8 s, … at most 5 min) and
@@ -55,11 +50,21 @@ impl SwarmView {
     /// The host this client reaches it at, and the record it announced,
     /// become suspect for as long (see [`SUSPECT_PENALTY`]).
     pub fn ban(&self, peer: &str) {
+        self.pass_over(peer, false);
+    }
+
+    fn pass_over(&self, peer: &str, busy: bool) {
         let host = self.host_of(peer);
         {
             let mut state = self.state();
-            let lasts = backoff(state.bans.entry(peer.to_string()));
-            tracing::debug!(%peer, ?lasts, "server banned");
+            if busy {
+                state
+                    .busy_until
+                    .insert(peer.to_string(), Instant::now() + BUSY_COOL_OFF);
+            } else {
+                let lasts = backoff(state.bans.entry(peer.to_string()));
+                tracing::debug!(%peer, ?lasts, "server banned");
+            }
             if let Some(host) = host {
                 backoff(state.failed_hosts.entry(host));
             }
