@@ -4,7 +4,8 @@
 //! (there is no peer yet) and in total, so a crowd opening silent sockets
 //! from a few hundred addresses held every place and no honest peer got
 //! through. This wrapper around a server's transports keeps the places
-//! itself: one host may hold an eighth, one network a quarter (hard caps);
+//! itself: one host may hold a quarter, one network a half (hard caps: a
+//! household or a test machine opens many at once);
 //! when every place is held, a newcomer takes the oldest handshake of the
 //! addresses holding more than their share ([`crate::fair_share`]), or
 //! else the oldest of all once it is [`PATIENCE`] old (an honest handshake
@@ -77,8 +78,8 @@ impl HandshakeShares {
         let max = max.max(1);
         Arc::new(HandshakeShares {
             max,
-            per_host: (max / 8).max(1),
-            per_network: (max / 4).max(1),
+            per_host: (max / 4).max(1),
+            per_network: (max / 2).max(1),
             state: Mutex::new(State::default()),
         })
     }
@@ -271,16 +272,16 @@ mod tests {
     fn hosts_and_networks_hold_their_caps() {
         let shares = HandshakeShares::new(16);
         let now = Instant::now();
-        let host: Vec<_> = (0..3)
+        let host: Vec<_> = (0..6)
             .filter_map(|_| shares.admit(ip("6.6.6.6"), now))
             .collect();
-        assert_eq!(host.len(), 2, "an eighth of 16 per host");
-        let network: Vec<_> = (0..5)
+        assert_eq!(host.len(), 4, "a quarter of 16 per host");
+        let network: Vec<_> = (0..6)
             .filter_map(|i| shares.admit(ip(&format!("6.6.6.{}", 10 + i)), now))
             .collect();
-        assert_eq!(network.len(), 2, "a quarter of 16 per network");
+        assert_eq!(network.len(), 4, "half of 16 per network");
         drop(host);
-        assert_eq!(shares.in_progress(), 2);
+        assert_eq!(shares.in_progress(), 4);
         assert!(shares.admit(ip("6.6.6.6"), now).is_some());
     }
 

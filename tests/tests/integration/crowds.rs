@@ -160,7 +160,7 @@ async fn a_crowd_of_networks_cannot_hold_every_handshake_or_connection() {
     const NETWORKS: usize = 16;
     let reference = Reference::load();
     // 32 connections: a host may hold 4, a network 8; 64 handshakes: a
-    // host 8, a network 16.
+    // host 16, a network 32.
     let server = start_server("0:4", None, &["--max-connections", "32"]).await;
     let peer = server.peer_id();
     let target = socket_of(server.tcp_addr().unwrap());
@@ -179,6 +179,8 @@ async fn a_crowd_of_networks_cannot_hold_every_handshake_or_connection() {
     let silent: Vec<TcpStream> = (0..NETWORKS)
         .flat_map(|i| (0..8).filter_map(move |_| connect_from(member(i), target).ok()))
         .collect();
+    // The server takes them in before the crowd below arrives.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     // 2. Connections: four identities from each of eight more networks
     // take the 31 left (the last network's fourth is refused: its region
     // holds its share).
