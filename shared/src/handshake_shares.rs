@@ -228,7 +228,8 @@ where
                         send_back_addr,
                     }
                 }
-                other => other.map_upgrade(|upgrade| held_by(upgrade, placeless())),
+                // Only `Incoming` carries an upgrade.
+                other => other.map_upgrade(|upgrade| held_by(upgrade, None)),
             };
             return Poll::Ready(event);
         }
@@ -253,11 +254,6 @@ fn held_by<O: Send + 'static>(
         }
     }
     .boxed()
-}
-
-/// Events other than `Incoming` carry no upgrade; the type needs one.
-fn placeless() -> Option<HandshakePlace> {
-    None
 }
 
 #[cfg(test)]
